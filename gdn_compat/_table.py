@@ -1,0 +1,25 @@
+"""The README's compatibility table: one row per megatron-core release, derived from its probes."""
+
+from __future__ import annotations
+
+from gdn_compat._probe import Facts
+
+HEADER = ("| megatron-core | GatedDeltaNet | THD in GDN | MTP `_checkpointed_forward` | `gdn_thd` | `mtp_padding_mask` |\n"
+          "|---|---|---|---|---|---|")
+START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
+
+
+def _short(decision: str | None) -> str:
+    return "**applied**" if decision is None else "skipped"
+
+
+def row(facts: Facts) -> str:
+    from gdn_compat.patches import gdn_thd, mtp_padding_mask
+
+    gdn = facts.gdn.split(" ", 1)[0]
+    return (f"| {facts.megatron} | {gdn} | {facts.gdn_thd} | {facts.mtp} | "
+            f"{_short(gdn_thd.decide(facts))} | {_short(mtp_padding_mask.decide(facts))} |")
+
+
+def render(rows: list[str]) -> str:
+    return "\n".join([START, HEADER, *rows, END])
