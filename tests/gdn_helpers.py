@@ -1,0 +1,84 @@
+"""Build a real megatron-core GatedDeltaNet and an independent pure-torch reference of its math."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def build_gdn(device="cpu", dtype=torch.float32, hidden=64, dk=16, dv=16, hk=2, hv=4, deterministic=False, seed=0):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=4, use_cpu_initialization=(device == "cpu"),
+        linear_conv_kernel_dim=4, linear_key_head_dim=dk, linear_value_head_dim=dv,
+        linear_num_key_heads=hk, linear_num_value_heads=hv, normalization="RMSNorm",
+        activation_func=F.silu, params_dtype=dtype, bf16=(dtype == torch.bfloat16),
+        deterministic_mode=deterministic,
+    )
+    sub = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear)
+    m = GatedDeltaNet(cfg, sub, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    m = m.to(device=device, dtype=dtype)
+    with torch.no_grad():  # give every parameter a non-trivial value (norm weights start at 1)
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return m
+
+
+def packed(cu, padded=None, fmt="thd", kv=None):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.as_tensor(cu, dtype=torch.int32)
+    pad = None if padded is None else torch.as_tensor(padded, dtype=torch.int32)
+    return PackedSeqParams(qkv_format=fmt, cu_seqlens_q=cu, cu_seqlens_kv=cu if kv is None else kv,
+                           cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad)
+
+
+def l2norm_ref(x, eps=1e-6):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def reference_gdn(params: dict, cfg: dict, x: torch.Tensor, spans) -> torch.Tensor:
+    """Independent GDN math: token-by-token gated delta rule, state zeroed at each span start.
+
+    params: the module's named parameters (any dtype; computed in float64). x: [T, H]."""
+    p = {k: v.double() for k, v in params.items()}
+    dk, dv, hk, hv, K = cfg["dk"], cfg["dv"], cfg["hk"], cfg["hv"], cfg["kernel"]
+    qk_dim, v_dim = dk * hk, dv * hv
+    proj = x.double() @ p["in_proj.weight"].t()
+    qkv, z, b, a = torch.split(proj, [2 * qk_dim + v_dim, v_dim, hv, hv], dim=-1)
+    w = p["conv1d.weight"][:, 0, :]  # [D, K]
+    out = torch.zeros(x.shape[0], v_dim, dtype=torch.float64)
+    for start, end in spans:
+        L = end - start
+        seg = qkv[start:end]
+        conv = torch.zeros_like(seg)
+        for t in range(L):
+            for j in range(K):  # w[:, K-1-j] multiplies x[t-j]
+                if t - j >= 0:
+                    conv[t] += w[:, K - 1 - j] * seg[t - j]
+        conv = F.silu(conv)
+        q, k, v = torch.split(conv, [qk_dim, qk_dim, v_dim], dim=-1)
+        q = l2norm_ref(q.reshape(L, hk, dk)).repeat_interleave(hv // hk, dim=1)
+        k = l2norm_ref(k.reshape(L, hk, dk)).repeat_interleave(hv // hk, dim=1)
+        v = v.reshape(L, hv, dv)
+        g = -p["A_log"].exp() * F.softplus(a[start:end] + p["dt_bias"])
+        beta = torch.sigmoid(b[start:end])
+        S = torch.zeros(hv, dk, dv, dtype=torch.float64)
+        o = torch.zeros(L, hv, dv, dtype=torch.float64)
+        for t in range(L):
+            S = S * g[t].exp()[:, None, None]
+            u = (v[t] - torch.einsum("hk,hkv->hv", k[t], S)) * beta[t][:, None]
+            S = S + torch.einsum("hk,hv->hkv", k[t], u)
+            o[t] = torch.einsum("hk,hkv->hv", q[t] / math.sqrt(dk), S)
+        rms = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg["eps"]) * p["out_norm.weight"]
+        y = rms * F.silu(z[start:end].reshape(L, hv, dv))
+        out[start:end] = y.reshape(L, v_dim)
+    return out @ p["out_proj.weight"].t()

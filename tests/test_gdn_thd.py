@@ -1,0 +1,231 @@
+"""gdn_thd on CPU against the release's real GatedDeltaNet (0.16.x/0.17.x; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gdn_compat
+from gdn_compat.patches import gdn_thd
+from tests.conftest import MEGATRON
+from tests.gdn_helpers import build_gdn, l2norm_ref, packed, reference_gdn
+
+NEEDED = gdn_thd.decide(gdn_compat.facts) is None
+pytestmark = pytest.mark.skipif(not NEEDED, reason=f"gdn_thd not needed on megatron-core {MEGATRON}: "
+                                                   f"{gdn_thd.decide(gdn_compat.facts)}")
+
+# a length-1 sequence, lengths that are not multiples of 64, a chunk-sized one, many short ones
+LENGTHS = [1, 70, 5, 64, 130, 2, 3, 1, 4, 2, 3, 5, 1, 2]
+CU = [0]
+for n in LENGTHS:
+    CU.append(CU[-1] + n)
+CFG = dict(dk=16, dv=16, hk=2, hv=4, kernel=4, eps=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def cpu_release_kernels(megatron_cpu, monkeypatch):
+    """The release's own (unpacked) forward calls fla's Triton l2norm; give it a torch one on CPU."""
+    import megatron.core.ssm.gated_delta_net as mod
+
+    monkeypatch.setattr(mod, "l2norm", l2norm_ref)
+    gdn_thd.PACKS.clear()
+
+
+@pytest.fixture
+def patched():
+    with gdn_compat.applied(mtp_padding_mask=False) as report:
+        assert report["gdn_thd"].status == "applied"
+        yield report
+
+
+def _run(m, x, psp):
+    x = x.detach().clone().requires_grad_(True)
+    m.zero_grad(set_to_none=True)
+    out, bias = m(x, None, packed_seq_params=psp)
+    assert bias is None
+    weight = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * weight).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+    return out.detach(), x.grad.detach(), grads
+
+
+def _per_sequence(m, x, spans):
+    """The ground truth: the release's own forward, one sequence at a time, same loss weights."""
+    T = x.shape[0]
+    weight = torch.linspace(-1, 1, T * x.shape[-1]).reshape(T, 1, -1)
+    m.zero_grad(set_to_none=True)
+    outs, gx = torch.zeros(T, 1, x.shape[-1]), torch.zeros_like(x)
+    for a, b in spans:
+        xi = x[a:b].detach().clone().requires_grad_(True)
+        oi, _ = m(xi, None)
+        (oi * weight[a:b]).sum().backward()
+        outs[a:b], gx[a:b] = oi.detach(), xi.grad
+    return outs, gx, {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+
+
+def _spans(cu):
+    return [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
+
+
+def test_thd_matches_per_sequence_runs_of_the_release(patched):
+    m = build_gdn(deterministic=True)  # the release's CPU path for the per-sequence ground truth
+    x = torch.randn(CU[-1], 1, 64)
+    out, gx, grads = _run(m, x, packed(CU))
+    ref_out, ref_gx, ref_grads = _per_sequence(m, x, _spans(CU))
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(gx, ref_gx, rtol=0, atol=1e-6)
+    assert set(grads) == set(ref_grads) == {n for n, _ in m.named_parameters()}
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)  # summation order
+
+
+def test_thd_matches_independent_token_by_token_reference(patched):
+    m = build_gdn(deterministic=False)  # CPU tensors take the pure-torch path without deterministic_mode
+    cu = CU[:8]
+    x = torch.randn(cu[-1], 1, 64)
+    out, gx, grads = _run(m, x, packed(cu))
+    params = {n: p.detach().double().requires_grad_(True) for n, p in m.named_parameters()}
+    xr = x[:, 0].double().requires_grad_(True)
+    ref = reference_gdn(params, CFG, xr, _spans(cu))
+    weight = torch.linspace(-1, 1, ref.numel(), dtype=torch.float64).reshape(ref.shape)
+    (ref * weight).sum().backward()
+    torch.testing.assert_close(out[:, 0].double(), ref.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gx[:, 0].double(), xr.grad, rtol=1e-4, atol=1e-5)
+    for name, p in params.items():
+        torch.testing.assert_close(grads[name].double(), p.grad, rtol=1e-4, atol=5e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_no_state_leaks_between_packed_sequences(patched):
+    m = build_gdn()
+    x = torch.randn(CU[-1], 1, 64)
+    base, _, _ = _run(m, x, packed(CU))
+    for j in (0, 1, 4, len(LENGTHS) - 1):  # perturb one sequence at a time
+        a, b = CU[j], CU[j + 1]
+        y = x.clone()
+        y[a:b] += 1.0
+        out, _, _ = _run(m, y, packed(CU))
+        assert not torch.equal(out[a:b], base[a:b])
+        keep = torch.ones(CU[-1], dtype=torch.bool)
+        keep[a:b] = False
+        assert torch.equal(out[keep], base[keep]), f"perturbing sequence {j} changed other sequences"
+
+
+def test_padded_cu_seqlens_define_the_sequences(patched):
+    m = build_gdn(deterministic=True)
+    actual, padded = [0, 5, 12, 13], [0, 8, 16, 24]  # alignment padding (e.g. for FP8) inside the pack
+    x = torch.randn(padded[-1], 1, 64)
+    out, gx, _ = _run(m, x, packed(actual, padded=padded))
+    ref_out, ref_gx, _ = _per_sequence(m, x, _spans(padded))
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(gx, ref_gx, rtol=0, atol=1e-6)
+
+
+def test_gqa_with_four_value_heads_per_key_head(patched):
+    cfg = dict(CFG, hk=1, hv=4)
+    m = build_gdn(hk=1, hv=4)
+    cu = [0, 3, 40, 41]
+    x = torch.randn(cu[-1], 1, 64)
+    out, _, _ = _run(m, x, packed(cu))
+    ref = reference_gdn(dict(m.named_parameters()), cfg, x[:, 0], _spans(cu))
+    torch.testing.assert_close(out[:, 0].double(), ref.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_zero_length_sequences_are_dropped_exactly(patched):
+    m = build_gdn()
+    x = torch.randn(20, 1, 64)
+    with_empty, _, _ = _run(m, x, packed([0, 0, 7, 7, 7, 20, 20]))
+    without, _, _ = _run(m, x, packed([0, 7, 20]))
+    assert torch.equal(with_empty, without)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", None])
+def test_unpacked_formats_run_the_release_code_bitwise(patched, fmt):
+    m = build_gdn(deterministic=True)
+    x = torch.randn(12, 2, 64)
+    ref, _ = m(x, None, packed_seq_params=None)
+    out, _ = m(x, None, packed_seq_params=packed([0, 12], fmt=fmt))
+    assert torch.equal(out, ref)
+
+
+def test_unpatched_release_refuses_and_revert_restores_it(megatron_cpu):
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    original = GatedDeltaNet.__dict__["forward"]
+    m = build_gdn()
+    x = torch.randn(12, 1, 64)
+    with pytest.raises(NotImplementedError):
+        m(x, None, packed_seq_params=packed([0, 12], fmt="bshd"))
+    with gdn_compat.applied():
+        assert GatedDeltaNet.__dict__["forward"] is not original
+        assert GatedDeltaNet.forward.__wrapped__ is original
+        m(x, None, packed_seq_params=packed([0, 5, 12]))
+    assert GatedDeltaNet.__dict__["forward"] is original
+    with pytest.raises(NotImplementedError, match="packed sequence"):
+        m(x, None, packed_seq_params=packed([0, 5, 12]))
+
+
+# -- bad input: each a clear error naming the values ----------------------------------------
+
+
+def test_batch_other_than_one_is_refused(patched):
+    with pytest.raises(ValueError, match="batch 2"):
+        build_gdn()(torch.randn(6, 2, 64), None, packed_seq_params=packed([0, 6]))
+
+
+def test_last_offset_must_equal_token_count(patched):
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\]=10 does not match .* 12"):
+        build_gdn()(torch.randn(12, 1, 64), None, packed_seq_params=packed([0, 4, 10]))
+
+
+def test_q_and_kv_offsets_must_agree(patched):
+    psp = packed([0, 4, 12], kv=torch.tensor([0, 6, 12], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\[0, 4, 12\] and cu_seqlens_kv=\[0, 6, 12\] differ"):
+        build_gdn()(torch.randn(12, 1, 64), None, packed_seq_params=psp)
+
+
+def test_offsets_must_be_non_decreasing(patched):
+    with pytest.raises(ValueError, match=r"non-decreasing, got \[0, 8, 4, 12\]"):
+        build_gdn()(torch.randn(12, 1, 64), None, packed_seq_params=packed([0, 8, 4, 12]))
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([0.0, 12.0]), torch.tensor([0, 12], dtype=torch.int16)])
+def test_offsets_must_be_int32_or_int64(patched, bad):
+    psp = packed([0, 12])
+    psp.cu_seqlens_q = psp.cu_seqlens_kv = bad
+    with pytest.raises(TypeError, match=str(bad.dtype)):
+        build_gdn()(torch.randn(12, 1, 64), None, packed_seq_params=psp)
+
+
+def test_offsets_on_another_device_are_refused(patched):
+    psp = packed([0, 12])
+    psp.cu_seqlens_q = psp.cu_seqlens_kv = torch.empty(2, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="is on meta but hidden_states are on cpu"):
+        build_gdn()(torch.randn(12, 1, 64), None, packed_seq_params=psp)
+
+
+def test_in_place_change_of_offsets_is_not_served_from_cache(patched):
+    m = build_gdn()
+    psp = packed([0, 4, 12])
+    x = torch.randn(12, 1, 64)
+    m(x, None, packed_seq_params=psp)
+    psp.cu_seqlens_q[1] = 20  # same tensor object, new (wrong) values
+    with pytest.raises(ValueError, match="non-decreasing"):
+        m(x, None, packed_seq_params=psp)
+
+
+def test_inference_context_with_thd_is_refused(patched):
+    with pytest.raises(NotImplementedError, match="inference context"):
+        build_gdn()(torch.randn(12, 1, 64), None, inference_context=object(), packed_seq_params=packed([0, 12]))
+
+
+@pytest.mark.parametrize("fmt", ["thd", "bshd"])
+def test_context_parallel_is_refused_loudly(patched, fmt):
+    m = build_gdn()
+
+    class TwoRanks:
+        def size(self):
+            return 2
+
+    m.pg_collection.cp = TwoRanks()
+    with pytest.raises(NotImplementedError, match="2 context-parallel shards"):
+        m(torch.randn(12, 1, 64), None, packed_seq_params=packed([0, 12], fmt=fmt))
