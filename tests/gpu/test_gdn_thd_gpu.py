@@ -1,0 +1,154 @@
+"""GDN THD on an H200, bf16, fla kernels: the shim on 0.16/0.17, upstream's native path on 0.18+.
+
+Run once per release (../shared/gpu/device-run.sh). 0.16/0.17 save weights, inputs and results to
+$GDN_XVER_DIR; the native 0.18/0.19 runs load them and must reproduce them bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import gdn_compat
+from gdn_compat.patches import gdn_thd
+from tests.conftest import MEGATRON
+from tests.gdn_helpers import build_gdn, packed
+
+LENGTHS = [1, 70, 300, 64, 129, 5, 431]  # 1000 tokens
+CU = [0]
+for n in LENGTHS:
+    CU.append(CU[-1] + n)
+SHAPE = dict(hidden=1024, dk=128, dv=128, hk=4, hv=8)  # GQA: 2 value heads per key head
+XVER = os.environ.get("GDN_XVER_DIR", "/tmp/gdn_xver")
+NATIVE = gdn_compat.facts.gdn_thd == "native"
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def thd_ready(megatron_cpu):
+    assert megatron_cpu == "cuda"
+    if gdn_compat.facts.gdn == "absent":
+        pytest.skip(f"megatron-core {MEGATRON} has no GatedDeltaNet")
+    report = gdn_compat.apply()
+    assert NATIVE or report["gdn_thd"].status == "applied", report["gdn_thd"]
+    yield
+    gdn_compat.revert()
+
+
+def fwd_bwd(m, x, cu_list, seed=0):
+    gdn_thd.PACKS.clear()
+    x = x.detach().clone().requires_grad_(True)
+    m.zero_grad(set_to_none=True)
+    psp = packed(cu_list)
+    psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda()
+    out, _ = m(x, None, packed_seq_params=psp)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    dy = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=gen)
+    out.backward(dy)
+    return out.detach(), x.grad.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters()}, dy
+
+
+def per_sequence(m, x, dy):
+    """Ground truth: every sequence alone (a one-sequence pack), gradients accumulated."""
+    m.zero_grad(set_to_none=True)
+    outs, gxs = [], []
+    for a, b in zip(CU, CU[1:]):
+        xi = x[a:b].detach().clone().requires_grad_(True)
+        psp = packed([0, b - a])
+        psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda()
+        oi, _ = m(xi, None, packed_seq_params=psp)
+        oi.backward(dy[a:b])
+        outs.append(oi.detach())
+        gxs.append(xi.grad)
+    return torch.cat(outs), torch.cat(gxs), {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+
+
+def test_thd_equals_per_sequence_runs_bf16(thd_ready):
+    m = build_gdn(device="cuda", dtype=torch.bfloat16, **SHAPE)
+    x = torch.randn(CU[-1], 1, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
+    out, gx, grads, dy = fwd_bwd(m, x, CU)
+    ref_out, ref_gx, ref_grads = per_sequence(m, x, dy)
+    worst = max(rel(grads[n], ref_grads[n]) for n in grads)
+    print(f"\n[gdn-thd {MEGATRON} {'native' if NATIVE else 'shim'}] output max|diff|="
+          f"{(out.float() - ref_out.float()).abs().max().item():.3g} bitwise={torch.equal(out, ref_out)} "
+          f"input-grad rel={rel(gx, ref_gx):.3g} worst param-grad rel={worst:.3g}")
+    assert torch.equal(out, ref_out)
+    assert rel(gx, ref_gx) <= 3e-5
+    assert worst <= 5e-3
+
+
+def test_thd_matches_release_bshd_per_sequence_bf16(thd_ready):
+    """Against the release's own unpacked forward (its conv and kernels), each sequence as batch 1."""
+    m = build_gdn(device="cuda", dtype=torch.bfloat16, **SHAPE)
+    x = torch.randn(CU[-1], 1, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
+    out, _, _, _ = fwd_bwd(m, x, CU)
+    ref = torch.cat([m(x[a:b], None)[0].detach() for a, b in zip(CU, CU[1:])])
+    err = rel(out, ref)
+    print(f"\n[gdn-thd {MEGATRON}] vs release BSHD per sequence: output rel={err:.3g}")
+    assert err < 1e-2
+
+
+def test_no_leakage_between_sequences(thd_ready):
+    m = build_gdn(device="cuda", dtype=torch.bfloat16, **SHAPE)
+    x = torch.randn(CU[-1], 1, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
+    base, _, _, _ = fwd_bwd(m, x, CU)
+    j = 3
+    y = x.clone()
+    y[CU[j]:CU[j + 1]] += 1
+    out, _, _, _ = fwd_bwd(m, y, CU)
+    keep = torch.ones(CU[-1], dtype=torch.bool, device="cuda")
+    keep[CU[j]:CU[j + 1]] = False
+    assert torch.equal(out[keep], base[keep])
+    assert not torch.equal(out[~keep], base[~keep])
+
+
+def test_no_host_sync_in_a_layer_call_once_the_pack_is_known(thd_ready):
+    m = build_gdn(device="cuda", dtype=torch.bfloat16, **SHAPE)
+    x = torch.randn(CU[-1], 1, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    psp = packed(CU)
+    psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda()
+    m(x, None, packed_seq_params=psp)[0].sum().backward()  # first call: validation, one host copy
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out, _ = m(x, None, packed_seq_params=psp)  # a second layer sharing the pack
+            out.sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    print(f"\n[gdn-thd {MEGATRON} {'native' if NATIVE else 'shim'}] host syncs per layer call: {len(syncs)}")
+    if not NATIVE:
+        assert syncs == [], [str(w.message) for w in syncs[:3]]
+
+
+def test_same_weights_same_bits_across_releases(thd_ready):
+    """0.16/0.17 + shim save; native 0.18/0.19 load and must reproduce output and every gradient."""
+    os.makedirs(XVER, exist_ok=True)
+    if not NATIVE:
+        m = build_gdn(device="cuda", dtype=torch.bfloat16, seed=7, **SHAPE)
+        x = torch.randn(CU[-1], 1, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
+        out, gx, grads, dy = fwd_bwd(m, x, CU)
+        torch.save({"state": m.state_dict(), "x": x, "out": out, "gx": gx, "grads": grads, "seed": 0},
+                   f"{XVER}/shim-{MEGATRON}.pt")
+        return
+    saved = sorted(f for f in os.listdir(XVER) if f.startswith("shim-"))
+    if not saved:
+        pytest.skip(f"no shim results in {XVER}: run 0.16/0.17 first in the same machine")
+    for name in saved:
+        blob = torch.load(f"{XVER}/{name}", map_location="cuda")
+        m = build_gdn(device="cuda", dtype=torch.bfloat16, **SHAPE)
+        m.load_state_dict(blob["state"])
+        out, gx, grads, _ = fwd_bwd(m, blob["x"], CU)
+        same = {"output": torch.equal(out, blob["out"]), "input grad": torch.equal(gx, blob["gx"])}
+        same.update({n: torch.equal(grads[n], blob["grads"][n]) for n in grads})
+        print(f"\n[xver native {MEGATRON} vs {name}] bitwise: {same}; output rel={rel(out, blob['out']):.3g} "
+              f"worst grad rel={max(rel(grads[n], blob['grads'][n]) for n in grads):.3g}")
+        assert all(same.values()), same
