@@ -1,0 +1,121 @@
+"""GDN forward+backward at Qwen3-Next size (design.md section 5): packed THD (the shim on 0.16/0.17,
+native on 0.18+), right-padded BSHD, and one call per sequence. Median of 5 after warm-up, peak
+memory above the inputs, host syncs per THD layer call with the pack already known.
+
+    python benchmarks/bench_gdn_thd.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+LENGTHS = [4093, 2050, 1531, 1029, 3070, 509, 771, 1283, 2048]
+SHAPE = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)
+
+
+def setup():
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29555")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+
+
+def measure(step, reps=5, warmup=2):
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def count_syncs(step):
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    setup()
+    import gdn_compat
+    from tests.gdn_helpers import build_gdn, packed
+
+    report = gdn_compat.apply()
+    native = gdn_compat.facts.gdn_thd == "native"
+    thd_label = "THD native" if native else f"THD shim ({report['gdn_thd'].status})"
+    m = build_gdn(device="cuda", dtype=torch.bfloat16, **SHAPE)
+    T, H = sum(LENGTHS), SHAPE["hidden"]
+    cu = [0]
+    for n in LENGTHS:
+        cu.append(cu[-1] + n)
+    x = torch.randn(T, 1, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    psp = packed(cu)
+    psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda()
+    xp = torch.zeros(max(LENGTHS), len(LENGTHS), H, device="cuda", dtype=torch.bfloat16)
+    for i, (a, b) in enumerate(zip(cu, cu[1:])):
+        xp[: b - a, i] = x.detach()[a:b, 0]
+    xp.requires_grad_(True)
+    pieces = [x.detach()[a:b].clone().requires_grad_(True) for a, b in zip(cu, cu[1:])]
+
+    def thd():
+        m(x, None, packed_seq_params=psp)[0].sum().backward()
+
+    def padded():
+        m(xp, None)[0].sum().backward()
+
+    def per_seq():
+        for p in pieces:
+            m(p, None)[0].sum().backward()
+
+    rows = {}
+    for label, step in ((thd_label, thd), ("padded BSHD", padded), ("per-sequence loop", per_seq)):
+        ms, mib = measure(step)
+        rows[label] = {"ms": round(ms, 2), "peak_mib": round(mib, 1)}
+    rows[thd_label]["syncs_per_call"] = count_syncs(thd)
+    ref = rows[thd_label]["ms"]
+    mc = gdn_compat.facts.megatron
+    print(f"megatron-core {mc}, {gdn_compat.facts.fla}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print(f"{'mode':<28}{'ms':>8}{'vs THD':>8}{'peak MiB':>10}{'syncs':>7}")
+    for label, r in rows.items():
+        print(f"{label:<28}{r['ms']:>8.2f}{r['ms'] / ref:>7.2f}x{r['peak_mib']:>10.0f}{r.get('syncs_per_call', ''):>7}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"megatron_core": mc, "fla": gdn_compat.facts.fla, "torch": torch.__version__,
+                       "gpu": torch.cuda.get_device_name(), "lengths": LENGTHS, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
