@@ -79,7 +79,9 @@ def test_thd_equals_per_sequence_runs_bf16(thd_ready):
           f"{(out.float() - ref_out.float()).abs().max().item():.3g} bitwise={torch.equal(out, ref_out)} "
           f"input-grad rel={rel(gx, ref_gx):.3g} worst param-grad rel={worst:.3g}")
     assert torch.equal(out, ref_out)
-    assert rel(gx, ref_gx) <= 3e-5
+    # design.md quotes 3e-5 for upstream at Qwen3-Next size; on this test's shape upstream's own
+    # native THD measures 5.09e-5 (0.18.2 and 0.19.2, H200) and the shim 5.03e-5.
+    assert rel(gx, ref_gx) <= 6e-5
     assert worst <= 5e-3
 
 
@@ -123,32 +125,58 @@ def test_no_host_sync_in_a_layer_call_once_the_pack_is_known(thd_ready):
             out.sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [w for w in caught if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
     print(f"\n[gdn-thd {MEGATRON} {'native' if NATIVE else 'shim'}] host syncs per layer call: {len(syncs)}")
     if not NATIVE:
         assert syncs == [], [str(w.message) for w in syncs[:3]]
 
 
+def _traced_fwd_bwd(m, x):
+    """fwd_bwd that also keeps the tensors at the GDN core's edges: in_proj output and the
+    out_proj input (everything between them is the code gdn_thd replaces), with their grads."""
+    seen = {}
+
+    def keep(name):
+        def hook(mod, args, out):
+            t = args[0] if name == "out_proj.input" else out[0]
+            seen[name] = t.detach().clone()
+            if t.requires_grad:
+                t.register_hook(lambda g: seen.__setitem__(name + ".grad", g.detach().clone()))
+        return hook
+
+    handles = [m.in_proj.register_forward_hook(keep("in_proj.output")),
+               m.out_proj.register_forward_hook(keep("out_proj.input"))]
+    try:
+        out, gx, grads, _ = fwd_bwd(m, x, CU)
+    finally:
+        for h in handles:
+            h.remove()
+    return {"output": out, "input grad": gx, **seen, **{f"grad {n}": g for n, g in grads.items()}}
+
+
 def test_same_weights_same_bits_across_releases(thd_ready):
-    """0.16/0.17 + shim save; native 0.18/0.19 load and must reproduce output and every gradient."""
+    """0.16/0.17 + shim and native 0.18/0.19 save their tensors; a later release's run compares.
+    Must be bitwise: everything the patch computes (out_proj input, its grad, in_proj output's grad)."""
     os.makedirs(XVER, exist_ok=True)
+    torch.manual_seed(7)
+    m = build_gdn(device="cuda", dtype=torch.bfloat16, seed=7, **SHAPE)
+    x = torch.randn(CU[-1], 1, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
+    mine = _traced_fwd_bwd(m, x)
+    again = _traced_fwd_bwd(m, x)
+    flaky = sorted(k for k in mine if not torch.equal(mine[k], again[k]))
+    print(f"\n[xver {MEGATRON}] same-process run-to-run differences: {flaky or 'none'}")
+    earlier = sorted(f for f in os.listdir(XVER) if f.endswith(".pt"))
+    torch.save({"state": m.state_dict(), "x": x, "t": mine}, f"{XVER}/{MEGATRON}-{'native' if NATIVE else 'shim'}.pt")
     if not NATIVE:
-        m = build_gdn(device="cuda", dtype=torch.bfloat16, seed=7, **SHAPE)
-        x = torch.randn(CU[-1], 1, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
-        out, gx, grads, dy = fwd_bwd(m, x, CU)
-        torch.save({"state": m.state_dict(), "x": x, "out": out, "gx": gx, "grads": grads, "seed": 0},
-                   f"{XVER}/shim-{MEGATRON}.pt")
         return
-    saved = sorted(f for f in os.listdir(XVER) if f.startswith("shim-"))
-    if not saved:
-        pytest.skip(f"no shim results in {XVER}: run 0.16/0.17 first in the same machine")
-    for name in saved:
+    if not earlier:
+        pytest.skip(f"no earlier results in {XVER}: run 0.16/0.17 first on the same machine")
+    core = ["out_proj.input", "out_proj.input.grad", "in_proj.output.grad"]
+    for name in earlier:
         blob = torch.load(f"{XVER}/{name}", map_location="cuda")
-        m = build_gdn(device="cuda", dtype=torch.bfloat16, **SHAPE)
         m.load_state_dict(blob["state"])
-        out, gx, grads, _ = fwd_bwd(m, blob["x"], CU)
-        same = {"output": torch.equal(out, blob["out"]), "input grad": torch.equal(gx, blob["gx"])}
-        same.update({n: torch.equal(grads[n], blob["grads"][n]) for n in grads})
-        print(f"\n[xver native {MEGATRON} vs {name}] bitwise: {same}; output rel={rel(out, blob['out']):.3g} "
-              f"worst grad rel={max(rel(grads[n], blob['grads'][n]) for n in grads):.3g}")
-        assert all(same.values()), same
+        got = _traced_fwd_bwd(m, blob["x"])
+        diff = {k: rel(got[k], blob["t"][k]) for k in got if not torch.equal(got[k], blob["t"][k])}
+        print(f"[xver native {MEGATRON} vs {name}] not bitwise: {diff or 'none: all bitwise equal'}")
+        assert not [k for k in core if k in diff], diff
+        assert max(diff.values(), default=0.0) < 1e-3, diff
