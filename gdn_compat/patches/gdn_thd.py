@@ -175,13 +175,31 @@ def _g_and_beta(A_log: torch.Tensor, dt_bias: torch.Tensor, alpha: torch.Tensor,
     return g, beta.sigmoid()
 
 
+def _prepare_qkv(qkv, gate, beta, alpha, seq_len: int, qk_local: int, v_local: int, dk: int, dv: int,
+                 repeat: int, use_l2norm: bool, l2norm: Any):
+    # The steps of 0.18's GatedDeltaNet._prepare_qkv_for_gated_delta_rule (PR #2645): split,
+    # reshape, one l2norm over q and k together, split, expand grouped heads, make contiguous.
+    query_key, value = torch.split(qkv, [2 * qk_local, v_local], dim=-1)
+    query_key = query_key.reshape(1, seq_len, -1, dk)
+    value = value.reshape(1, seq_len, -1, dv)
+    if use_l2norm:
+        query_key = l2norm(query_key.contiguous())
+    heads = qk_local // dk
+    query, key = torch.split(query_key, [heads, heads], dim=2)
+    if repeat > 1:
+        query = query.repeat_interleave(repeat, dim=2)
+        key = key.repeat_interleave(repeat, dim=2)
+    return (query.contiguous(), key.contiguous(), value.contiguous(), gate.contiguous(),
+            beta.contiguous(), alpha.contiguous())
+
+
 @functools.lru_cache(maxsize=1)
-def _fused_g_and_beta() -> Any:
-    # 0.18/0.19 run the expression through megatron's jit_fuser (torch.compile); so do we, so
-    # that the CUDA path produces the same bits as upstream's native THD.
+def _fused() -> tuple[Any, Any]:
+    # 0.18/0.19 run both steps through megatron's jit_fuser (torch.compile), and torch.compile
+    # changes how fla's l2norm kernel is launched; so do we, for the same bits as upstream's THD.
     from megatron.core.jit import jit_fuser
 
-    return jit_fuser(_g_and_beta)
+    return jit_fuser(_prepare_qkv), jit_fuser(_g_and_beta)
 
 
 @functools.lru_cache(maxsize=1)
@@ -198,24 +216,7 @@ def _fla() -> tuple[Any, Any, dict[str, bool]]:
     return causal_conv1d, chunk_gated_delta_rule, takes
 
 
-def _split_qk_v(self: Any, qkv: torch.Tensor, length: int):
-    qk_local, v_local = self.qk_dim // self.tp_size, self.v_dim // self.tp_size
-    query_key, value = torch.split(qkv, [2 * qk_local, v_local], dim=-1)
-    query_key = query_key.reshape(1, length, -1, self.key_head_dim)
-    value = value.reshape(1, length, -1, self.value_head_dim)
-    return query_key, value, qk_local // self.key_head_dim
-
-
-def _finish_qk(self: Any, query_key: torch.Tensor, heads: int):
-    query, key = torch.split(query_key, [heads, heads], dim=2)
-    repeat = self.num_value_heads // self.num_key_heads
-    if repeat > 1:  # grouped value heads
-        query = query.repeat_interleave(repeat, dim=2)
-        key = key.repeat_interleave(repeat, dim=2)
-    return query.contiguous(), key.contiguous()
-
-
-def _core_fla(self: Any, mod: Any, qkv, beta, alpha, pack: Pack, total: int) -> torch.Tensor:
+def _core_fla(self: Any, mod: Any, qkv, gate, beta, alpha, pack: Pack, total: int):
     causal_conv1d, chunk_gated_delta_rule, takes = _fla()
     if not (takes["conv"] and takes["rule"]):
         raise RuntimeError("gdn_compat THD on CUDA needs fla's causal_conv1d and chunk_gated_delta_rule "
@@ -228,37 +229,40 @@ def _core_fla(self: Any, mod: Any, qkv, beta, alpha, pack: Pack, total: int) -> 
         initial_state=None, output_final_state=False, cu_seqlens=pack.cu,
         **(host if takes["conv_cpu"] else {}),
     )
-    query_key, value, heads = _split_qk_v(self, qkv, total)
-    if self.use_qk_l2norm:
-        query_key = mod.l2norm(query_key.contiguous())
-    query, key = _finish_qk(self, query_key, heads)
-    g, beta = _fused_g_and_beta()(self.A_log, self.dt_bias, alpha.contiguous(), beta.contiguous())
+    prepare, g_and_beta = _fused()
+    query, key, value, gate, beta, alpha = prepare(
+        qkv, gate, beta, alpha, total, self.qk_dim // self.tp_size, self.v_dim // self.tp_size,
+        self.key_head_dim, self.value_head_dim, self.num_value_heads // self.num_key_heads,
+        bool(self.use_qk_l2norm), mod.l2norm,
+    )
+    g, beta = g_and_beta(self.A_log, self.dt_bias, alpha, beta)
     out, _ = chunk_gated_delta_rule(
-        query, key, value.contiguous(), g=g, beta=beta, initial_state=None, output_final_state=False,
+        query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
         use_qk_l2norm_in_kernel=False, cu_seqlens=pack.cu, **(host if takes["rule_cpu"] else {}),
     )
-    return out
+    return out, gate
 
 
-def _core_torch(self: Any, mod: Any, qkv, beta, alpha, pack: Pack, total: int) -> torch.Tensor:
+def _core_torch(self: Any, mod: Any, qkv, gate, beta, alpha, pack: Pack, total: int):
     g, beta = _g_and_beta(self.A_log, self.dt_bias, alpha, beta)
     outs = []
     for start, end in pack.spans:  # one sequence at a time: state cannot cross a boundary
         length = end - start
         x = qkv[:, start:end].transpose(1, 2).contiguous()  # b, s, d -> b, d, s
         x = self.act_fn(self.conv1d(x)[..., :length]).transpose(1, 2)
-        query_key, value, heads = _split_qk_v(self, x, length)
-        if self.use_qk_l2norm:
-            query_key = l2norm_torch(query_key)
-        query, key = _finish_qk(self, query_key, heads)
+        query, key, value, _, beta_i, g_i = _prepare_qkv(
+            x, gate, beta[:, start:end], g[:, start:end], length, self.qk_dim // self.tp_size,
+            self.v_dim // self.tp_size, self.key_head_dim, self.value_head_dim,
+            self.num_value_heads // self.num_key_heads, bool(self.use_qk_l2norm), l2norm_torch,
+        )
         out, _ = mod.torch_chunk_gated_delta_rule(
-            query, key, value.contiguous(), g=g[:, start:end].contiguous(), beta=beta[:, start:end].contiguous(),
-            initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+            query, key, value, g=g_i, beta=beta_i, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=False,
         )
         outs.append(out)
     if not outs:
-        return qkv.new_zeros(1, 0, self.num_value_heads // self.tp_size, self.value_head_dim)
-    return torch.cat(outs, dim=1)
+        return qkv.new_zeros(1, 0, self.num_value_heads // self.tp_size, self.value_head_dim), gate
+    return torch.cat(outs, dim=1), gate
 
 
 def cp_size(self: Any) -> int:
@@ -283,11 +287,9 @@ def thd_forward(self: Any, mod: Any, hidden_states: torch.Tensor, psp: Any) -> t
     gate = gate.reshape(1, total, -1, self.value_head_dim)
     beta = beta.reshape(1, total, -1)
     alpha = alpha.reshape(1, total, -1)
-    if hidden_states.is_cuda and not self.config.deterministic_mode:
-        core = _core_fla(self, mod, qkv, beta, alpha, pack, total)
-    else:
-        core = _core_torch(self, mod, qkv, beta, alpha, pack, total)
-    norm_out = self._apply_gated_norm(core, gate.contiguous())
+    core = _core_fla if hidden_states.is_cuda and not self.config.deterministic_mode else _core_torch
+    out, gate = core(self, mod, qkv, gate, beta, alpha, pack, total)
+    norm_out = self._apply_gated_norm(out, gate)
     norm_out = norm_out.reshape(1, total, -1).transpose(0, 1).contiguous()
     return self.out_proj(norm_out)
 

@@ -19,8 +19,8 @@ def test_doctor_predicts_what_the_first_gdn_backward_does(megatron_cpu, dk):
           f"{[str(f) for f in findings.values()]}")
     gdn_compat.apply()
     try:
-        m = build_gdn(device="cuda", dtype=torch.bfloat16, hidden=512, dk=dk, dv=128, hk=2, hv=4)
-        x = torch.randn(256, 1, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        m = build_gdn(device="cuda", dtype=torch.bfloat16, hidden=2048, dk=dk, dv=128, hk=16, hv=32)
+        x = torch.randn(256, 1, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         psp = packed([0, 100, 256])
         psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda()
         out, _ = m(x, None, packed_seq_params=psp)

@@ -21,7 +21,7 @@ LENGTHS = [1, 70, 300, 64, 129, 5, 431]  # 1000 tokens
 CU = [0]
 for n in LENGTHS:
     CU.append(CU[-1] + n)
-SHAPE = dict(hidden=1024, dk=128, dv=128, hk=4, hv=8)  # GQA: 2 value heads per key head
+SHAPE = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)  # Qwen3-Next GDN (as the benchmark: shared autotune)
 XVER = os.environ.get("GDN_XVER_DIR", "/tmp/gdn_xver")
 NATIVE = gdn_compat.facts.gdn_thd == "native"
 
