@@ -22,20 +22,6 @@ LENGTHS = [4093, 2050, 1531, 1029, 3070, 509, 771, 1283, 2048]
 SHAPE = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)
 
 
-def setup():
-    import torch.distributed as dist
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29555")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
-
-
 def measure(step, reps=5, warmup=2):
     for _ in range(warmup):
         step()
@@ -69,7 +55,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    setup()
+    from gdn_compat.testing import init_megatron_cuda
+
+    init_megatron_cuda()
     import gdn_compat
     from tests.gdn_helpers import build_gdn, packed
 

@@ -1,0 +1,86 @@
+"""Hazard rules as a pure function of the probe record, at each rule's boundaries."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gdn_compat._probe import Facts
+from gdn_compat.hazards import check, failing
+
+HOPPER = dict(cuda="sm_90 NVIDIA H200", cuda_capability=(9, 0))
+GDN = dict(megatron="0.17.1", gdn="module /x/gated_delta_net.py", gdn_thd="refuses", gdn_legacy_shape=True,
+           gdn_cp="none", gdn_conv="nn.Conv1d", mtp="generic",
+           fla_rule_cu_seqlens="yes", fla_conv_cu_seqlens="yes")
+
+
+def facts(triton="3.6.0", fla="0.4.2", gpu=HOPPER, **kw):
+    base = dict(python="3.12", torch="2.11.0", triton=triton, fla=f"fla-core {fla}" if fla else None,
+                fla_version=fla, **GDN, **gpu)
+    base.update(kw)
+    return Facts(**base)
+
+
+def codes(f, **kw):
+    return {x.code: x.severity for x in check(f, **kw)}
+
+
+@pytest.mark.parametrize("triton,bad", [("3.3.1", False), ("3.4.0", True), ("3.6.0", True), ("3.7.0", True),
+                                        ("3.7.1", False), ("3.9.0", False)])
+@pytest.mark.parametrize("fla,sev", [("0.4.2", "danger"), ("0.5.0", "error"), ("0.6.0", "error")])
+def test_hopper_triton_range_and_fla_version(triton, bad, fla, sev):
+    found = codes(facts(triton=triton, fla=fla))
+    code = "fla-640-crash" if sev == "error" else "fla-640-miscompile"
+    assert (found.get(code) == sev) == bad, found
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (10, 0)])
+def test_other_architectures_are_not_flagged(cap):
+    found = codes(facts(fla="0.6.0", gpu=dict(cuda=f"sm_{cap[0]}{cap[1]} X", cuda_capability=cap)))
+    assert not {"fla-640-crash", "fla-640-miscompile", "fla-640-unchecked"} & set(found)
+
+
+@pytest.mark.parametrize("dk,sev", [(64, "danger"), (33, "danger"), (32, "info"), (128, "info"), (None, "danger")])
+def test_old_fla_miscompile_depends_on_key_head_dim(dk, sev):
+    assert codes(facts(fla="0.4.2"), key_head_dim=dk)["fla-640-miscompile"] == sev
+
+
+def test_tilelang_avoids_the_crash():
+    assert "fla-640-crash" not in codes(facts(fla="0.6.0", tilelang="0.1.6"))
+
+
+def test_unknown_gpu_gets_a_hint_not_a_verdict():
+    found = codes(facts(gpu=dict(cuda="unknown: CUDA not initialised yet", cuda_capability=None)))
+    assert found.get("fla-640-unchecked") == "info"
+    assert not failing(check(facts(gpu=dict(cuda="absent", cuda_capability=None))))
+
+
+def test_fla_missing_with_gdn_is_an_error_and_without_gdn_is_not():
+    assert codes(facts(fla=None))["fla-missing"] == "error"
+    assert "fla-missing" not in codes(facts(fla=None, gdn="absent", gdn_thd="absent", gdn_legacy_shape=False))
+
+
+def test_fla_that_fails_to_import_is_an_error_naming_the_reason():
+    [f] = [x for x in check(facts(fla_error="ValueError: key contains names that are not kernel arguments: STAGE"))
+           if x.code == "fla-import"]
+    assert f.severity == "error" and "STAGE" in f.message
+
+
+def test_fla_without_varlen_is_an_error():
+    assert codes(facts(fla_rule_cu_seqlens="no"))["fla-no-varlen"] == "error"
+
+
+def test_conv_path_is_reported_for_legacy_gdn():
+    assert codes(facts())["gdn-conv-path"] == "info"
+    f = dataclasses.replace(facts(), gdn_legacy_shape=False)
+    assert "gdn-conv-path" not in codes(f)
+
+
+def test_unknown_shapes_are_warnings():
+    assert codes(facts(mtp="unknown: _checkpointed_forward takes **kwargs"))["unknown-shape"] == "warning"
+
+
+def test_findings_carry_source_and_fix():
+    [f] = [x for x in check(facts(fla="0.6.0")) if x.code == "fla-640-crash"]
+    assert "issues/640" in f.source and "3.7.1" in f.fix
