@@ -17,8 +17,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_megatron_cpu() -> None:
-    """A 1-rank gloo world, megatron's model-parallel state, CUDA-only helpers pointed at the CPU."""
+def init_megatron_cpu(rank: int = 0, world_size: int = 1, context_parallel_size: int = 1, port: int | None = None) -> None:
+    """A gloo world (1 rank by default), megatron's model-parallel state, CUDA-only helpers on the CPU."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -36,24 +36,24 @@ def init_megatron_cpu() -> None:
     mrandom._set_all_rng_states = lambda *a, **k: None
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        os.environ["MASTER_PORT"] = str(port or _free_port())
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(1, 1, context_parallel_size=context_parallel_size)
 
 
-def init_megatron_cuda() -> None:
-    """The same on one GPU (NCCL, world size 1)."""
+def init_megatron_cuda(rank: int = 0, world_size: int = 1, context_parallel_size: int = 1, port: int | None = None) -> None:
+    """The same on GPUs (NCCL), one rank per GPU."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(rank)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("nccl", rank=0, world_size=1)
+        os.environ["MASTER_PORT"] = str(port or _free_port())
+        dist.init_process_group("nccl", rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(1, 1, context_parallel_size=context_parallel_size)
     model_parallel_cuda_manual_seed(1234)

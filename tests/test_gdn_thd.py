@@ -216,16 +216,3 @@ def test_in_place_change_of_offsets_is_not_served_from_cache(patched):
 def test_inference_context_with_thd_is_refused(patched):
     with pytest.raises(NotImplementedError, match="inference context"):
         build_gdn()(torch.randn(12, 1, 64), None, inference_context=object(), packed_seq_params=packed([0, 12]))
-
-
-@pytest.mark.parametrize("fmt", ["thd", "bshd"])
-def test_context_parallel_is_refused_loudly(patched, fmt):
-    m = build_gdn()
-
-    class TwoRanks:
-        def size(self):
-            return 2
-
-    m.pg_collection.cp = TwoRanks()
-    with pytest.raises(NotImplementedError, match="2 context-parallel shards"):
-        m(torch.randn(12, 1, 64), None, packed_seq_params=packed([0, 12], fmt=fmt))

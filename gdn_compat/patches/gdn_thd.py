@@ -15,8 +15,9 @@ contract and, on CUDA, runs the same fla kernels in the same order as 0.18/0.19'
 
 Zero-length sequences (repeated ``cu_seqlens`` offsets, e.g. from pack alignment) hold no tokens and
 are dropped before the kernels run, which is exactly equivalent.
-Context parallelism is not implemented for these releases: cp > 1 raises in both formats, because
-the release itself would silently treat each rank's shard as a whole sequence.
+Context parallelism: these releases' GDN has none and with cp > 1 silently treats each rank's shard
+as a whole sequence. The replacement implements it for packed and unpacked input (see
+``_context_parallel``); with cp = 1 unpacked input still runs the release's own code.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 from gdn_compat._probe import GDN_MODULE, Facts, _dist_version
 from gdn_compat._registry import Patch
+from gdn_compat.patches import _context_parallel as cpx
 
 NAME = "gdn_thd"
 TARGET = f"{GDN_MODULE}.GatedDeltaNet.forward"
@@ -65,6 +67,8 @@ class Pack:
     cu: torch.Tensor  # device cu_seqlens handed to fla (zero-length sequences removed)
     cu_cpu: torch.Tensor  # the same offsets on the host
     spans: tuple[tuple[int, int], ...]  # (start, end) of every non-empty sequence
+    perm: torch.Tensor | None = None  # context parallel: received rows -> global token order
+    inverse: torch.Tensor | None = None  # and back
 
 
 def _resolve(psp: Any, side: str) -> tuple[str, torch.Tensor | None]:
@@ -99,14 +103,14 @@ class _PackCache:
     def _key(tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
         return tuple((weakref.ref(t), t._version) for t in tensors)
 
-    def get(self, tensors: tuple[torch.Tensor, ...], total: int, device: torch.device) -> Pack | None:
+    def get(self, tensors: tuple[torch.Tensor, ...], total: int, device: Any) -> Pack | None:
         for key, k_total, k_device, pack in self.entries:
             if (k_total == total and k_device == device and len(key) == len(tensors)
                     and all(r() is t and v == t._version for (r, v), t in zip(key, tensors))):
                 return pack
         return None
 
-    def put(self, tensors: tuple[torch.Tensor, ...], total: int, device: torch.device, pack: Pack) -> None:
+    def put(self, tensors: tuple[torch.Tensor, ...], total: int, device: Any, pack: Pack) -> None:
         self.entries = [e for e in self.entries if all(r() is not None for r, _ in e[0])]
         self.entries.insert(0, (self._key(tensors), total, device, pack))
         del self.entries[self.size:]
@@ -118,7 +122,20 @@ class _PackCache:
 PACKS = _PackCache()
 
 
-def pack_for(psp: Any, total: int, device: torch.device) -> Pack:
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _cp_perm(lengths: list[int], cp: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if cp == 1:
+        return None, None
+    perm = cpx.load_balance_perm(lengths, cp)
+    return _to_device(perm, device), _to_device(torch.argsort(perm), device)
+
+
+def pack_for(psp: Any, total: int, device: torch.device, cp: int = 1) -> Pack:
     """Validate ``packed_seq_params`` for a pack of ``total`` tokens; cached per pack."""
     q_name, q = _resolve(psp, "q")
     kv_name, kv = _resolve(psp, "kv")
@@ -129,7 +146,7 @@ def pack_for(psp: Any, total: int, device: torch.device) -> Pack:
     if kv is not None and kv is not q:
         _check_tensor(kv_name, kv, device)
         tensors = (q, kv)
-    hit = PACKS.get(tensors, total, device)
+    hit = PACKS.get(tensors, total, (device, cp))
     if hit is not None:
         return hit
     # The single device-to-host copy of this pack (none when the offsets already live on the host).
@@ -144,19 +161,33 @@ def pack_for(psp: Any, total: int, device: torch.device) -> Pack:
         raise ValueError(f"gdn_compat THD: {q_name} must be non-decreasing, got {q_host}")
     if q_host[-1] != total:
         raise ValueError(f"gdn_compat THD: {q_name}[-1]={q_host[-1]} does not match the pack's token count "
-                         f"{total} (local tokens x sequence-parallel size); {q_name}={q_host}")
+                         f"{total} (local tokens x sequence-parallel size x context-parallel size); {q_name}={q_host}")
+    lengths = [b - a for a, b in zip(q_host, q_host[1:])]
+    if cp > 1 and any(n % (2 * cp) for n in lengths):
+        raise ValueError(f"gdn_compat THD with context parallel size {cp}: every sequence length must be "
+                         f"divisible by 2 x cp = {2 * cp} (Megatron's load balancing); offending lengths "
+                         f"{[n for n in lengths if n % (2 * cp)]} in {q_name}={q_host}")
     spans = tuple((a, b) for a, b in zip(q_host, q_host[1:]) if b > a)
     offsets = [0] + [b for _, b in spans]
     cu_cpu = torch.tensor(offsets, dtype=q.dtype)
     if len(offsets) == q.numel() and q.device == device:
         cu = q  # nothing dropped: hand the caller's own tensor to fla, as upstream does
-    elif device.type == "cuda":
-        cu = cu_cpu.pin_memory().to(device, non_blocking=True)
     else:
-        cu = cu_cpu.to(device)
-    pack = Pack(cu=cu, cu_cpu=cu_cpu, spans=spans)
-    PACKS.put(tensors, total, device, pack)
+        cu = _to_device(cu_cpu, device)
+    perm, inverse = _cp_perm(lengths, cp, device)
+    pack = Pack(cu=cu, cu_cpu=cu_cpu, spans=spans, perm=perm, inverse=inverse)
+    PACKS.put(tensors, total, (device, cp), pack)
     return pack
+
+
+@functools.lru_cache(maxsize=16)
+def _rows_pack(length: int, rows: int, cp: int, device: torch.device) -> Pack:
+    """Unpacked [s, b] input under context parallelism: b sequences of ``length`` tokens."""
+    offsets = [i * length for i in range(rows + 1)]
+    cu_cpu = torch.tensor(offsets, dtype=torch.int32)
+    perm, inverse = _cp_perm([length], cp, device)
+    spans = tuple(zip(offsets, offsets[1:]))
+    return Pack(cu=_to_device(cu_cpu, device), cu_cpu=cu_cpu, spans=spans, perm=perm, inverse=inverse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +247,36 @@ def _fla() -> tuple[Any, Any, dict[str, bool]]:
     return causal_conv1d, chunk_gated_delta_rule, takes
 
 
-def _core_fla(self: Any, mod: Any, qkv, gate, beta, alpha, pack: Pack, total: int):
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """This rank's share of the layer: dims after TP and CP, and its slices of the parameters."""
+
+    qk: int  # q (and k) features
+    v: int  # v (and gate) features
+    dk: int
+    dv: int
+    repeat: int  # value heads per key head
+    conv_w: torch.Tensor
+    conv_b: torch.Tensor | None
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+
+def local_view(self: Any, cp: int, rank: int) -> Local:
+    tp, hk, hv = self.tp_size, self.num_key_heads, self.num_value_heads
+    if hk % (tp * cp) or hv % (tp * cp):
+        raise ValueError(f"gdn_compat: GatedDeltaNet heads must divide by tp x cp = {tp} x {cp}; got "
+                         f"{hk} key heads and {hv} value heads")
+    qk, v = self.qk_dim // tp, self.v_dim // tp
+    conv_w, conv_b, A_log, dt_bias = self.conv1d.weight, self.conv1d.bias, self.A_log, self.dt_bias
+    if cp > 1:  # keep q, k and v sections aligned: each is cut into cp head groups
+        conv_w = cpx.local_heads(conv_w, [qk, qk, v], cp, rank)
+        conv_b = None if conv_b is None else cpx.local_heads(conv_b, [qk, qk, v], cp, rank)
+        A_log, dt_bias = A_log.chunk(cp)[rank], dt_bias.chunk(cp)[rank]
+    return Local(qk // cp, v // cp, self.key_head_dim, self.value_head_dim, hv // hk, conv_w, conv_b, A_log, dt_bias)
+
+
+def _core_fla(self: Any, mod: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int):
     causal_conv1d, chunk_gated_delta_rule, takes = _fla()
     if not (takes["conv"] and takes["rule"]):
         raise RuntimeError("gdn_compat THD on CUDA needs fla's causal_conv1d and chunk_gated_delta_rule "
@@ -225,17 +285,16 @@ def _core_fla(self: Any, mod: Any, qkv, gate, beta, alpha, pack: Pack, total: in
         raise ValueError(f"gdn_compat THD: fla's causal_conv1d supports silu/swish, got activation {self.activation!r}")
     host = {"cu_seqlens_cpu": pack.cu_cpu}
     qkv, _ = causal_conv1d(
-        x=qkv, weight=self.conv1d.weight.squeeze(1), bias=self.conv1d.bias, activation=self.activation,
+        x=qkv, weight=loc.conv_w.squeeze(1), bias=loc.conv_b, activation=self.activation,
         initial_state=None, output_final_state=False, cu_seqlens=pack.cu,
         **(host if takes["conv_cpu"] else {}),
     )
     prepare, g_and_beta = _fused()
     query, key, value, gate, beta, alpha = prepare(
-        qkv, gate, beta, alpha, total, self.qk_dim // self.tp_size, self.v_dim // self.tp_size,
-        self.key_head_dim, self.value_head_dim, self.num_value_heads // self.num_key_heads,
-        bool(self.use_qk_l2norm), mod.l2norm,
+        qkv, gate, beta, alpha, total, loc.qk, loc.v, loc.dk, loc.dv, loc.repeat, bool(self.use_qk_l2norm),
+        mod.l2norm,
     )
-    g, beta = g_and_beta(self.A_log, self.dt_bias, alpha, beta)
+    g, beta = g_and_beta(loc.A_log, loc.dt_bias, alpha, beta)
     out, _ = chunk_gated_delta_rule(
         query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
         use_qk_l2norm_in_kernel=False, cu_seqlens=pack.cu, **(host if takes["rule_cpu"] else {}),
@@ -243,17 +302,19 @@ def _core_fla(self: Any, mod: Any, qkv, gate, beta, alpha, pack: Pack, total: in
     return out, gate
 
 
-def _core_torch(self: Any, mod: Any, qkv, gate, beta, alpha, pack: Pack, total: int):
-    g, beta = _g_and_beta(self.A_log, self.dt_bias, alpha, beta)
+def _core_torch(self: Any, mod: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int):
+    g, beta = _g_and_beta(loc.A_log, loc.dt_bias, alpha, beta)
     outs = []
+    width = loc.conv_w.shape[-1]
     for start, end in pack.spans:  # one sequence at a time: state cannot cross a boundary
         length = end - start
         x = qkv[:, start:end].transpose(1, 2).contiguous()  # b, s, d -> b, d, s
-        x = self.act_fn(self.conv1d(x)[..., :length]).transpose(1, 2)
+        # what the release's nn.Conv1d computes (padding width-1, one group per channel)
+        x = F.conv1d(x, loc.conv_w, loc.conv_b, padding=width - 1, groups=loc.conv_w.shape[0])
+        x = self.act_fn(x[..., :length]).transpose(1, 2)
         query, key, value, _, beta_i, g_i = _prepare_qkv(
-            x, gate, beta[:, start:end], g[:, start:end], length, self.qk_dim // self.tp_size,
-            self.v_dim // self.tp_size, self.key_head_dim, self.value_head_dim,
-            self.num_value_heads // self.num_key_heads, bool(self.use_qk_l2norm), l2norm_torch,
+            x, gate, beta[:, start:end], g[:, start:end], length, loc.qk, loc.v, loc.dk, loc.dv, loc.repeat,
+            bool(self.use_qk_l2norm), l2norm_torch,
         )
         out, _ = mod.torch_chunk_gated_delta_rule(
             query, key, value, g=g_i, beta=beta_i, initial_state=None, output_final_state=False,
@@ -261,13 +322,43 @@ def _core_torch(self: Any, mod: Any, qkv, gate, beta, alpha, pack: Pack, total: 
         )
         outs.append(out)
     if not outs:
-        return qkv.new_zeros(1, 0, self.num_value_heads // self.tp_size, self.value_head_dim), gate
+        return qkv.new_zeros(1, 0, loc.v // loc.dv, loc.dv), gate
     return torch.cat(outs, dim=1), gate
 
 
+def cp_group(self: Any) -> Any:
+    return getattr(getattr(self, "pg_collection", None), "cp", None)
+
+
 def cp_size(self: Any) -> int:
-    group = getattr(getattr(self, "pg_collection", None), "cp", None)
+    group = cp_group(self)
     return group.size() if group is not None else 1
+
+
+def _forward(self: Any, mod: Any, hidden_states: torch.Tensor, pack: Pack, cp: int) -> tuple[torch.Tensor, Any]:
+    """The GDN over [s_local, b, h] input whose rows are ``pack``'s sequences (b = 1 for THD)."""
+    group = cp_group(self)
+    loc = local_view(self, cp, group.rank() if cp > 1 else 0)
+    qkvzba, _ = self.in_proj(hidden_states)  # gathers the sequence-parallel shards
+    if cp > 1:
+        tp_hv = self.num_value_heads // self.tp_size
+        sections = [self.qk_dim // self.tp_size] * 2 + [self.v_dim // self.tp_size] * 2 + [tp_hv, tp_hv]
+        qkvzba = cpx.cp2hp(qkvzba, sections, pack.perm, group, cp)  # all tokens, this rank's heads
+    seq, rows = qkvzba.shape[0], qkvzba.shape[1]
+    total = seq * rows
+    qkvzba = qkvzba.transpose(0, 1).reshape(1, total, -1)
+    hv = loc.v // loc.dv
+    qkv, gate, beta, alpha = torch.split(qkvzba, [2 * loc.qk + loc.v, loc.v, hv, hv], dim=-1)
+    gate = gate.reshape(1, total, -1, loc.dv)
+    beta = beta.reshape(1, total, -1)
+    alpha = alpha.reshape(1, total, -1)
+    core = _core_fla if hidden_states.is_cuda and not self.config.deterministic_mode else _core_torch
+    out, gate = core(self, mod, loc, qkv, gate, beta, alpha, pack, total)
+    norm_out = self._apply_gated_norm(out, gate)
+    norm_out = norm_out.reshape(rows, seq, -1).transpose(0, 1).contiguous()
+    if cp > 1:
+        norm_out = cpx.hp2cp(norm_out, pack.inverse, group, cp)
+    return self.out_proj(norm_out)
 
 
 def thd_forward(self: Any, mod: Any, hidden_states: torch.Tensor, psp: Any) -> tuple[torch.Tensor, Any]:
@@ -275,23 +366,18 @@ def thd_forward(self: Any, mod: Any, hidden_states: torch.Tensor, psp: Any) -> t
     if batch != 1:
         raise ValueError(f"gdn_compat THD: packed input must be [tokens, 1, hidden], got batch {batch} "
                          f"(hidden_states shape {tuple(hidden_states.shape)})")
-    total = local * self.sp_size
-    pack = pack_for(psp, total, hidden_states.device)
+    cp = cp_size(self)
+    total = local * self.sp_size * cp
+    return _forward(self, mod, hidden_states, pack_for(psp, total, hidden_states.device, cp), cp)
 
-    qkvzba, _ = self.in_proj(hidden_states)  # gathers the sequence-parallel shards: [total, 1, d]
-    qkvzba = qkvzba.transpose(0, 1)
-    tp, hv = self.tp_size, self.num_value_heads // self.tp_size
-    qkv, gate, beta, alpha = torch.split(
-        qkvzba, [(self.qk_dim * 2 + self.v_dim) // tp, self.v_dim // tp, hv, hv], dim=-1
-    )
-    gate = gate.reshape(1, total, -1, self.value_head_dim)
-    beta = beta.reshape(1, total, -1)
-    alpha = alpha.reshape(1, total, -1)
-    core = _core_fla if hidden_states.is_cuda and not self.config.deterministic_mode else _core_torch
-    out, gate = core(self, mod, qkv, gate, beta, alpha, pack, total)
-    norm_out = self._apply_gated_norm(out, gate)
-    norm_out = norm_out.reshape(1, total, -1).transpose(0, 1).contiguous()
-    return self.out_proj(norm_out)
+
+def bshd_cp_forward(self: Any, mod: Any, hidden_states: torch.Tensor, cp: int) -> tuple[torch.Tensor, Any]:
+    local, batch, _ = hidden_states.shape
+    length = local * self.sp_size * cp
+    if length % (2 * cp):
+        raise ValueError(f"gdn_compat: with context parallel size {cp} the sequence length must be divisible "
+                         f"by 2 x cp = {2 * cp}; got {length} ({local} local tokens)")
+    return _forward(self, mod, hidden_states, _rows_pack(length, batch, cp, hidden_states.device), cp)
 
 
 def build() -> list[tuple[Any, str, Any]]:
@@ -306,20 +392,19 @@ def build() -> list[tuple[Any, str, Any]]:
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
                 inference_params=None, **kwargs):
+        packed = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
         cp = cp_size(self)
-        if cp > 1:
-            raise NotImplementedError(
-                f"gdn_compat: GatedDeltaNet on megatron-core {release} has no context "
-                f"parallelism and would treat each of the {cp} context-parallel shards as a whole "
-                f"sequence; use context_parallel_size=1 for GDN models on this release")
-        if packed_seq_params is None or getattr(packed_seq_params, "qkv_format", None) != "thd":
+        if not packed and cp == 1:
             return original(self, hidden_states, attention_mask, key_value_states, inference_context,
                             attention_bias, None, sequence_len_offset,
                             inference_params=inference_params, **kwargs)
         if inference_context is not None or inference_params is not None:
-            raise NotImplementedError("gdn_compat THD: packed sequences with an inference context are not "
-                                      "supported (neither upstream); pass inference_context=None")
-        return thd_forward(self, defining, hidden_states, packed_seq_params)
+            raise NotImplementedError(f"gdn_compat: GatedDeltaNet on megatron-core {release} with "
+                                      f"{'packed sequences' if packed else f'context parallel size {cp}'} and an "
+                                      f"inference context is not supported (neither upstream)")
+        if packed:
+            return thd_forward(self, defining, hidden_states, packed_seq_params)
+        return bshd_cp_forward(self, defining, hidden_states, cp)
 
     return [(cls, "forward", forward)]
 
@@ -329,6 +414,6 @@ PATCH = Patch(
     target=TARGET,
     decide=decide,
     build=build,
-    summary="GatedDeltaNet.forward accepts packed sequences (qkv_format='thd'); other formats run the "
-            "release's own code (upstream PR #2645)",
+    summary="GatedDeltaNet.forward accepts packed sequences (qkv_format='thd') and context parallelism; "
+            "unpacked input at cp=1 runs the release's own code (upstream PR #2645)",
 )

@@ -1,0 +1,153 @@
+"""Context parallelism for the patched GatedDeltaNet (0.16.x/0.17.x): 2 and 4 ranks against cp = 1.
+
+The parent process computes the cp = 1 run; each spawned rank runs its load-balanced shard and
+checks its output shard, its input-grad shard and (summed over ranks, as Megatron's DP x CP
+gradient reduction does) every parameter gradient. Ranks use gloo on the CPU, or NCCL when the
+machine has a GPU per rank (the same file runs on a multi-GPU machine).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+
+import gdn_compat
+from gdn_compat.patches import gdn_thd
+from tests.conftest import MEGATRON
+from tests.gdn_helpers import build_gdn, l2norm_ref, packed
+
+NEEDED = gdn_thd.decide(gdn_compat.facts) is None
+pytestmark = pytest.mark.skipif(not NEEDED, reason=f"gdn_thd not needed on megatron-core {MEGATRON}")
+SHAPE = dict(hidden=32, dk=8, dv=8, hk=4, hv=8)  # GQA, heads divisible by cp = 4
+BSHD = (16, 2)  # sequence length, batch
+THD_ACTUAL, THD_PADDED = [0, 5, 20, 27], [0, 8, 24, 32]  # padded lengths 8, 16, 8: divisible by 2 x 4
+
+
+def shard(x: torch.Tensor, lengths: list[int], cp: int, rank: int) -> torch.Tensor:
+    """Megatron's load-balanced layout: rank r keeps chunks r and 2cp-1-r of every sequence."""
+    out, start = [], 0
+    for n in lengths:
+        chunks = x[start:start + n].chunk(2 * cp)
+        out += [chunks[rank], chunks[2 * cp - 1 - rank]]
+        start += n
+    return torch.cat(out)
+
+
+def run(m, x, psp):
+    x = x.detach().clone().requires_grad_(True)
+    m.zero_grad(set_to_none=True)
+    out, _ = m(x, None, packed_seq_params=psp)
+    return out, x
+
+
+def cases():
+    torch.manual_seed(3)
+    s, b = BSHD
+    xb = torch.randn(s, b, SHAPE["hidden"])
+    xt = torch.randn(THD_PADDED[-1], 1, SHAPE["hidden"])
+    weight = lambda t: torch.linspace(-1, 1, t.numel()).reshape(t.shape)  # noqa: E731
+    return {"bshd": (xb, None, [s], weight), "thd": (xt, (THD_ACTUAL, THD_PADDED), [8, 16, 8], weight)}
+
+
+def reference(path: str, device: str) -> None:
+    m = build_gdn(device=device, deterministic=True, **SHAPE)
+    results = {"state": m.state_dict()}
+    for name, (x, cu, _, weight) in cases().items():
+        psp = None if cu is None else packed(cu[0], padded=cu[1])
+        out, xg = run(m, x.to(device), psp)
+        (out * weight(out).to(device)).sum().backward()
+        results[name] = {"out": out.detach().cpu(), "gx": xg.grad.cpu(),
+                         "grads": {n: p.grad.detach().cpu() for n, p in m.named_parameters()}}
+    torch.save(results, path)
+
+
+def worker(rank: int, cp: int, port: int, path: str) -> None:
+    from gdn_compat.testing import init_megatron_cpu, init_megatron_cuda
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= cp
+    (init_megatron_cuda if cuda else init_megatron_cpu)(rank, cp, cp, port)
+    device = "cuda" if cuda else "cpu"
+    import torch.distributed as dist
+
+    gdn_compat.apply()
+    ref = torch.load(path)
+    m = build_gdn(device=device, deterministic=True, **SHAPE)
+    m.load_state_dict(ref["state"])
+    tol = dict(rtol=1e-4, atol=1e-5)
+    for name, (x, cu, lengths, weight) in cases().items():
+        psp = None if cu is None else packed(cu[0], padded=cu[1])
+        out, xg = run(m, shard(x, lengths, cp, rank).to(device), psp)
+        w = shard(weight(ref[name]["out"]), lengths, cp, rank).to(device)
+        (out * w).sum().backward()
+        torch.testing.assert_close(out.detach().cpu(), shard(ref[name]["out"], lengths, cp, rank), **tol,
+                                   msg=lambda msg, n=name: f"{n} output, rank {rank}/{cp}: {msg}")
+        torch.testing.assert_close(xg.grad.cpu(), shard(ref[name]["gx"], lengths, cp, rank), **tol,
+                                   msg=lambda msg, n=name: f"{n} input grad, rank {rank}/{cp}: {msg}")
+        for pname, p in m.named_parameters():
+            grad = p.grad.detach().clone()
+            dist.all_reduce(grad)  # Megatron reduces gradients over data x context parallel ranks
+            torch.testing.assert_close(grad.cpu(), ref[name]["grads"][pname], **tol,
+                                       msg=lambda msg, n=name, q=pname: f"{n} grad {q}, rank {rank}/{cp}: {msg}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_equals_cp1_bshd_and_thd(megatron_cpu, monkeypatch, cp):
+    import megatron.core.ssm.gated_delta_net as release
+    import torch.multiprocessing as mp
+
+    from gdn_compat.testing import _free_port
+
+    monkeypatch.setattr(release, "l2norm", l2norm_ref)  # the cp = 1 BSHD reference is the release's code
+    with tempfile.TemporaryDirectory() as tmp, gdn_compat.applied():
+        path = os.path.join(tmp, "ref.pt")
+        reference(path, megatron_cpu)
+        started = time.perf_counter()
+        mp.spawn(worker, args=(cp, _free_port(), path), nprocs=cp, join=True)
+        print(f"\n[cp={cp}] {cp} ranks: {time.perf_counter() - started:.1f} s")
+
+
+class FakeGroup:
+    def __init__(self, size, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.fixture
+def patched_cpu(megatron_cpu, monkeypatch):
+    import megatron.core.ssm.gated_delta_net as release
+
+    monkeypatch.setattr(release, "l2norm", l2norm_ref)
+    with gdn_compat.applied():
+        yield
+
+
+def test_thd_lengths_must_divide_by_twice_cp(patched_cpu):
+    m = build_gdn(**SHAPE)
+    m.pg_collection.cp = FakeGroup(2)
+    with pytest.raises(ValueError, match=r"divisible by 2 x cp = 4.*offending lengths \[6, 6\]"):
+        m(torch.randn(6, 1, 32), None, packed_seq_params=packed([0, 6, 12]))
+
+
+def test_bshd_length_must_divide_by_twice_cp(patched_cpu):
+    m = build_gdn(**SHAPE)
+    m.pg_collection.cp = FakeGroup(2)
+    with pytest.raises(ValueError, match=r"divisible by 2 x cp = 4; got 6"):
+        m(torch.randn(3, 2, 32), None)
+
+
+def test_heads_must_divide_by_tp_times_cp(patched_cpu):
+    m = build_gdn(hidden=32, dk=8, dv=8, hk=2, hv=4)
+    m.pg_collection.cp = FakeGroup(4)
+    with pytest.raises(ValueError, match=r"tp x cp = 1 x 4; got 2 key heads and 4 value heads"):
+        m(torch.randn(2, 1, 32), None)
