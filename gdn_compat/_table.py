@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from gdn_compat._probe import Facts
 
-HEADER = ("| megatron-core | GatedDeltaNet | THD in GDN | MTP `_checkpointed_forward` | `gdn_thd` | `mtp_padding_mask` |\n"
-          "|---|---|---|---|---|---|")
+HEADER = ("| megatron-core | GatedDeltaNet | THD in GDN | CP in GDN | MTP `_checkpointed_forward` | `gdn_thd` "
+          "(THD + CP) | `mtp_padding_mask` |\n|---|---|---|---|---|---|---|")
 START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
 
 
@@ -17,7 +17,7 @@ def row(facts: Facts) -> str:
     from gdn_compat.patches import gdn_thd, mtp_padding_mask
 
     gdn = facts.gdn.split(" ", 1)[0]
-    return (f"| {facts.megatron} | {gdn} | {facts.gdn_thd} | {facts.mtp} | "
+    return (f"| {facts.megatron} | {gdn} | {facts.gdn_thd} | {facts.gdn_cp} | {facts.mtp} | "
             f"{_short(gdn_thd.decide(facts))} | {_short(mtp_padding_mask.decide(facts))} |")
 
 
