@@ -2,7 +2,7 @@
 native on 0.18+), right-padded BSHD, and one call per sequence. Median of 5 after warm-up, peak
 memory above the inputs, host syncs per THD layer call with the pack already known.
 
-    python benchmarks/bench_gdn_thd.py [--json FILE]
+    python benchmarks/bench_gdn_thd.py [--json-dir DIR]     (writes DIR/bench-<megatron-core>.json)
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def count_syncs(step):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json-dir", default=None)
     args = parser.parse_args()
     from gdn_compat.testing import init_megatron_cuda
 
@@ -99,8 +99,8 @@ def main():
     print(f"{'mode':<28}{'ms':>8}{'vs THD':>8}{'peak MiB':>10}{'syncs':>7}")
     for label, r in rows.items():
         print(f"{label:<28}{r['ms']:>8.2f}{r['ms'] / ref:>7.2f}x{r['peak_mib']:>10.0f}{r.get('syncs_per_call', ''):>7}")
-    if args.json:
-        with open(args.json, "w") as fh:
+    if args.json_dir:
+        with open(os.path.join(args.json_dir, f"bench-{mc}.json"), "w") as fh:
             json.dump({"megatron_core": mc, "fla": gdn_compat.facts.fla, "torch": torch.__version__,
                        "gpu": torch.cuda.get_device_name(), "lengths": LENGTHS, "rows": rows}, fh, indent=1)
 
