@@ -76,13 +76,16 @@ def test_thd_equals_per_sequence_runs_bf16(thd_ready):
     ref_out, ref_gx, ref_grads = per_sequence(m, x, dy)
     worst = max(rel(grads[n], ref_grads[n]) for n in grads)
     print(f"\n[gdn-thd {MEGATRON} {'native' if NATIVE else 'shim'}] output max|diff|="
-          f"{(out.float() - ref_out.float()).abs().max().item():.3g} bitwise={torch.equal(out, ref_out)} "
-          f"input-grad rel={rel(gx, ref_gx):.3g} worst param-grad rel={worst:.3g}")
-    assert torch.equal(out, ref_out)
-    # design.md quotes 3e-5 for upstream at Qwen3-Next size; on this test's shape upstream's own
-    # native THD measures 5.09e-5 (0.18.2 and 0.19.2, H200) and the shim 5.03e-5.
-    assert rel(gx, ref_gx) <= 6e-5
-    assert worst <= 5e-3
+          f"{(out.float() - ref_out.float()).abs().max().item():.3g} rel={rel(out, ref_out):.3g} "
+          f"bitwise={torch.equal(out, ref_out)} input-grad rel={rel(gx, ref_gx):.3g} worst param-grad rel={worst:.3g}")
+    # The bar is upstream's own native THD on the same shape. Measured on an H200 (fla-core 0.4.2,
+    # Triton 3.6): at this shape native 0.19.2 and the shim on 0.17.1 are bitwise identical to each
+    # other and both differ from one-sequence runs by 1-ulp output differences (max |diff| 0.0625),
+    # input-grad rel 1.8e-4, worst param-grad rel 5.4e-3; at hidden 1024 / 4+8 heads both gave
+    # bitwise outputs and ~5e-5 input-grad rel. Bounds: one bf16 ulp for the output, 1.7x margin.
+    assert rel(out, ref_out) <= 8e-3
+    assert rel(gx, ref_gx) <= 3e-4
+    assert worst <= 1e-2
 
 
 def test_thd_matches_release_bshd_per_sequence_bf16(thd_ready):
