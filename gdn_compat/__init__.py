@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 from gdn_compat._probe import Facts, probe
 from gdn_compat._registry import Patch, Record, Registry, Report, enabled_from
@@ -59,8 +59,10 @@ def plan(for_facts: Facts | None = None) -> list[Record]:
     enabled = enabled_from(tuple(p.name for p in PATCHES), {})
     for patch in PATCHES:
         why = enabled[patch.name] or patch.decide(use)
-        status = "skipped" if why else "applied"
-        out.append(Record(patch.name, patch.target, status, why or f"would apply: {patch.summary}"))
+        if why:
+            out.append(Record(patch.name, patch.target, "skipped", why))
+        else:
+            out.append(Record(patch.name, patch.target, "applied", f"would apply: {patch.summary}"))
     return out
 
 

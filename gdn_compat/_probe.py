@@ -231,6 +231,7 @@ def _probe_cuda(out: dict[str, Any], torch: Any, init_cuda: bool) -> None:
 def probe(*, init_cuda: bool = False) -> Facts:
     """Inspect the installed stack. Imports megatron-core and fla modules; changes nothing."""
     out: dict[str, Any] = {"python": platform.python_version()}
+    torch: Any = None
     try:
         import torch
 

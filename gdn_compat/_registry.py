@@ -10,7 +10,8 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterator, Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 from gdn_compat._probe import Facts
 

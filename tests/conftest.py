@@ -7,7 +7,6 @@ import importlib.metadata as md
 import pytest
 
 
-
 def megatron_version() -> str | None:
     try:
         return md.version("megatron-core")

@@ -341,6 +341,7 @@ def _forward(self: Any, mod: Any, hidden_states: torch.Tensor, pack: Pack, cp: i
     loc = local_view(self, cp, group.rank() if cp > 1 else 0)
     qkvzba, _ = self.in_proj(hidden_states)  # gathers the sequence-parallel shards
     if cp > 1:
+        assert pack.perm is not None and pack.inverse is not None
         tp_hv = self.num_value_heads // self.tp_size
         sections = [self.qk_dim // self.tp_size] * 2 + [self.v_dim // self.tp_size] * 2 + [tp_hv, tp_hv]
         qkvzba = cpx.cp2hp(qkvzba, sections, pack.perm, group, cp)  # all tokens, this rank's heads
@@ -356,7 +357,7 @@ def _forward(self: Any, mod: Any, hidden_states: torch.Tensor, pack: Pack, cp: i
     out, gate = core(self, mod, loc, qkv, gate, beta, alpha, pack, total)
     norm_out = self._apply_gated_norm(out, gate)
     norm_out = norm_out.reshape(rows, seq, -1).transpose(0, 1).contiguous()
-    if cp > 1:
+    if pack.inverse is not None:
         norm_out = cpx.hp2cp(norm_out, pack.inverse, group, cp)
     return self.out_proj(norm_out)
 
