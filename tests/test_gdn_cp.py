@@ -65,51 +65,70 @@ def reference(path: str, device: str) -> None:
     torch.save(results, path)
 
 
-def worker(rank: int, cp: int, port: int, path: str) -> None:
-    from gdn_compat.testing import init_megatron_cpu, init_megatron_cuda
+def world_size() -> int:
+    """4 gloo ranks on the CPU; on a GPU machine one rank per GPU, up to 4 (NCCL)."""
+    return min(4, torch.cuda.device_count()) if torch.cuda.device_count() >= 2 else 4
 
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= cp
-    (init_megatron_cuda if cuda else init_megatron_cpu)(rank, cp, cp, port)
-    device = "cuda" if cuda else "cpu"
+
+def check_cp(m, ref, rank: int, cp: int, group, device: str) -> None:
     import torch.distributed as dist
 
-    gdn_compat.apply()
-    ref = torch.load(path)
-    m = build_gdn(device=device, deterministic=True, **SHAPE)
-    m.load_state_dict(ref["state"])
     tol = dict(rtol=1e-4, atol=1e-5)
+    m.pg_collection.cp = group
     for name, (x, cu, lengths, weight) in cases().items():
         psp = None if cu is None else packed(cu[0], padded=cu[1])
         out, xg = run(m, shard(x, lengths, cp, rank).to(device), psp)
         w = shard(weight(ref[name]["out"]), lengths, cp, rank).to(device)
         (out * w).sum().backward()
+        where = f"{name}, cp={cp}, rank {rank}"
         torch.testing.assert_close(out.detach().cpu(), shard(ref[name]["out"], lengths, cp, rank), **tol,
-                                   msg=lambda msg, n=name: f"{n} output, rank {rank}/{cp}: {msg}")
+                                   msg=lambda msg, w=where: f"output {w}: {msg}")
         torch.testing.assert_close(xg.grad.cpu(), shard(ref[name]["gx"], lengths, cp, rank), **tol,
-                                   msg=lambda msg, n=name: f"{n} input grad, rank {rank}/{cp}: {msg}")
+                                   msg=lambda msg, w=where: f"input grad {w}: {msg}")
         for pname, p in m.named_parameters():
             grad = p.grad.detach().clone()
-            dist.all_reduce(grad)  # Megatron reduces gradients over data x context parallel ranks
+            dist.all_reduce(grad, group=group)  # Megatron reduces gradients over data x context ranks
             torch.testing.assert_close(grad.cpu(), ref[name]["grads"][pname], **tol,
-                                       msg=lambda msg, n=name, q=pname: f"{n} grad {q}, rank {rank}/{cp}: {msg}")
+                                       msg=lambda msg, w=where, q=pname: f"grad {q} {w}: {msg}")
+
+
+def worker(rank: int, world: int, port: int, path: str) -> None:
+    import torch.distributed as dist
+
+    from gdn_compat.testing import init_megatron_cpu, init_megatron_cuda
+
+    cuda = torch.cuda.device_count() >= world
+    (init_megatron_cuda if cuda else init_megatron_cpu)(rank, world, world, port)
+    device = "cuda" if cuda else "cpu"
+    gdn_compat.apply()
+    ref = torch.load(path)
+    m = build_gdn(device=device, deterministic=True, **SHAPE)
+    m.load_state_dict(ref["state"])
+    from megatron.core import parallel_state
+
+    pairs = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]  # every rank creates every group
+    check_cp(m, ref, rank % 2, 2, pairs[rank // 2], device)
+    if world == 4:
+        check_cp(m, ref, rank, 4, parallel_state.get_context_parallel_group(), device)
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_context_parallel_equals_cp1_bshd_and_thd(megatron_cpu, monkeypatch, cp):
+def test_context_parallel_2_and_4_ranks_equal_cp1_bshd_and_thd(megatron_cpu, monkeypatch):
     import megatron.core.ssm.gated_delta_net as release
     import torch.multiprocessing as mp
 
     from gdn_compat.testing import _free_port
 
     monkeypatch.setattr(release, "l2norm", l2norm_ref)  # the cp = 1 BSHD reference is the release's code
+    world = world_size()
     with tempfile.TemporaryDirectory() as tmp, gdn_compat.applied():
         path = os.path.join(tmp, "ref.pt")
         reference(path, megatron_cpu)
         started = time.perf_counter()
-        mp.spawn(worker, args=(cp, _free_port(), path), nprocs=cp, join=True)
-        print(f"\n[cp={cp}] {cp} ranks: {time.perf_counter() - started:.1f} s")
+        mp.spawn(worker, args=(world, _free_port(), path), nprocs=world, join=True)
+        print(f"\n[cp] {world} ranks (cp=2 pairs{' and cp=4' if world == 4 else ''}): "
+              f"{time.perf_counter() - started:.1f} s")
 
 
 class FakeGroup:

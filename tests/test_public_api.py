@@ -58,11 +58,26 @@ def test_doctor_json_is_machine_readable_and_agrees_with_the_plan():
     assert data["facts"]["megatron"] == gdn_compat.facts.megatron
 
 
-def test_doctor_text_names_every_patch_and_a_verdict():
-    out = subprocess.run([sys.executable, "-m", "gdn_compat"], capture_output=True, text=True, cwd=ROOT)
+def test_doctor_text_names_every_patch_and_a_verdict(capsys):
+    from gdn_compat.__main__ import main
+
+    code = main([])
+    text = capsys.readouterr().out
     for patch in gdn_compat._PATCHES:
-        assert patch.name in out.stdout and patch.target in out.stdout
-    assert "verdict:" in out.stdout
+        assert patch.name in text and patch.target in text
+    assert ("verdict: OK" in text) == (code == 0)
+
+
+def test_apply_warns_once_per_hazard_and_reports_it(monkeypatch, caplog):
+    from gdn_compat.hazards import Finding
+
+    danger = Finding("danger", "test-hazard", "a stack that computes wrong gradients")
+    monkeypatch.setattr(gdn_compat, "check", lambda facts, key_head_dim=None: [danger])
+    with caplog.at_level("WARNING", logger="gdn_compat"):
+        with gdn_compat.applied() as first:
+            gdn_compat.apply()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [str(danger)]
+    assert first.findings == (danger,)
 
 
 def test_readme_compatibility_row_for_this_release_is_current():
