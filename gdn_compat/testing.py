@@ -17,11 +17,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _init_world(backend: str, rank: int, world_size: int, context_parallel_size: int, port: int | None) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port or _free_port())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, context_parallel_size=context_parallel_size)
+
+
 def init_megatron_cpu(rank: int = 0, world_size: int = 1, context_parallel_size: int = 1, port: int | None = None) -> None:
     """A gloo world (1 rank by default), megatron's model-parallel state, CUDA-only helpers on the CPU."""
     import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
 
     torch._dynamo.config.disable = True  # megatron's jit_fuser would compile per shape, slowly, on CPU
@@ -34,26 +44,14 @@ def init_megatron_cpu(rank: int = 0, world_size: int = 1, context_parallel_size:
     mrandom.CudaRNGStatesTracker.fork = fork
     mrandom._get_all_rng_states = lambda: {}
     mrandom._set_all_rng_states = lambda *a, **k: None
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port or _free_port())
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, context_parallel_size=context_parallel_size)
+    _init_world("gloo", rank, world_size, context_parallel_size, port)
 
 
 def init_megatron_cuda(rank: int = 0, world_size: int = 1, context_parallel_size: int = 1, port: int | None = None) -> None:
     """The same on GPUs (NCCL), one rank per GPU."""
     import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     torch.cuda.set_device(rank)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port or _free_port())
-        dist.init_process_group("nccl", rank=rank, world_size=world_size)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, context_parallel_size=context_parallel_size)
+    _init_world("nccl", rank, world_size, context_parallel_size, port)
     model_parallel_cuda_manual_seed(1234)
