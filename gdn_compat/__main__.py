@@ -7,6 +7,7 @@ kernel-stack hazards; exits 1 when a finding is an error or a danger, else 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -34,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "gdn_compat": gdn_compat.__version__,
             "facts": facts.as_dict(),
-            "patches": [vars(r) if hasattr(r, "__dict__") else r.__dict__ for r in plan],
-            "findings": [f.__dict__ for f in findings],
+            "patches": [dataclasses.asdict(r) for r in plan],
+            "findings": [dataclasses.asdict(f) for f in findings],
             "ok": not bad,
         }, indent=2, default=str))
         return 1 if bad else 0

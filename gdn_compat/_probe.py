@@ -42,7 +42,6 @@ class Facts:
     gdn_legacy_shape: bool = False  # the exact 0.16/0.17 forward and helpers gdn_thd relies on
     gdn_cp: str = "absent"  # "native" | "none" | "absent" | "unknown: ..."
     gdn_conv: str = "absent"  # non-THD conv of a legacy GDN: "causal_conv1d package" | "nn.Conv1d"
-    gdn_min_key_head_dim: int | None = None  # not knowable before the model is built
     mtp: str = "absent"  # "generic" | "no_padding_mask" | "has_padding_mask" | "absent" | "unknown: ..."
     fla: str | None = None  # distribution and version, e.g. "fla-core 0.4.2"
     fla_version: str | None = None
@@ -109,8 +108,8 @@ def _probe_gdn(out: dict[str, Any]) -> None:
         return
     where = getattr(mod, "__file__", "") or ""
     kind = "package" if where.endswith("__init__.py") else "module"
-    defined_in = sys.modules.get(cls.__module__)
-    out["gdn"] = f"{kind} {getattr(defined_in, '__file__', where)}"
+    defining = sys.modules.get(cls.__module__)
+    out["gdn"] = f"{kind} {getattr(defining, '__file__', where)}"
     try:
         params = _params(cls.forward)
         src = _source(cls.forward)
@@ -127,7 +126,6 @@ def _probe_gdn(out: dict[str, Any]) -> None:
     else:
         out["gdn_thd"] = "unknown: GatedDeltaNet.forward neither refuses nor handles qkv_format='thd'"
     out["gdn_cp"] = "native" if re.search(r"pg_collection\.cp\b|cp_size", cls_src) else "none"
-    defining = sys.modules.get(cls.__module__)
     out["gdn_legacy_shape"] = bool(
         tuple(params) == GDN_LEGACY_PARAMS
         and out["gdn_thd"] == "refuses"
