@@ -1,0 +1,88 @@
+"""THD forward+backward of one GDN layer at cp = 1 vs cp = 2 (design.md section 5 shapes, each
+sequence padded to a multiple of 2 x cp as Megatron's THD load balancing needs), one process per
+GPU with NCCL. For the multi-GPU issue; `--cpu-smoke` runs tiny shapes with gloo to check the script.
+
+    python benchmarks/bench_gdn_cp.py            # needs 2 GPUs and megatron-core 0.16/0.17 (+ gdn_compat) or 0.18+
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+LENGTHS = [4093, 2050, 1531, 1029, 3070, 509, 771, 1283, 2048]
+SHAPE = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)
+
+
+def worker(rank: int, port: int, smoke: bool) -> None:
+    import torch.distributed as dist
+
+    from gdn_compat.testing import init_megatron_cpu, init_megatron_cuda
+
+    (init_megatron_cpu if smoke else init_megatron_cuda)(rank, 2, 2, port)
+    import gdn_compat
+    from tests.gdn_helpers import build_gdn, packed
+    from tests.test_gdn_cp import shard
+
+    gdn_compat.apply()
+    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    shape = dict(hidden=32, dk=8, dv=8, hk=4, hv=8) if smoke else SHAPE
+    lengths = [8, 16, 8] if smoke else [n + (-n % 4) for n in LENGTHS]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    torch.manual_seed(0)
+    m = build_gdn(device=device, dtype=dtype, **shape)
+    x = torch.randn(cu[-1], 1, shape["hidden"], dtype=dtype)
+    from megatron.core import parallel_state
+
+    solo = [dist.new_group([r]) for r in range(2)]
+    results = {}
+    for cp, group in ((1, solo[rank]), (2, parallel_state.get_context_parallel_group())):
+        m.pg_collection.cp = group
+        xl = (x if cp == 1 else shard(x, lengths, 2, rank)).to(device).requires_grad_(True)
+        psp = packed(cu)
+        psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.to(device)
+
+        def step():
+            m(xl, None, packed_seq_params=psp)[0].sum().backward()
+
+        times = []
+        for i in range(7):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            ms = 1000 * (time.perf_counter() - t0)
+            if i >= 2:
+                times.append(ms)
+        results[cp] = statistics.median(times)
+    if rank == 0:
+        print(f"THD fwd+bwd, {cu[-1]} tokens in {len(lengths)} sequences: cp=1 {results[1]:.2f} ms, "
+              f"cp=2 {results[2]:.2f} ms per rank ({results[1] / results[2]:.2f}x)")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cpu-smoke", action="store_true")
+    args = parser.parse_args()
+    import torch.multiprocessing as mp
+
+    from gdn_compat.testing import _free_port
+
+    mp.spawn(worker, args=(_free_port(), args.cpu_smoke), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()
