@@ -51,7 +51,7 @@ def worker(rank: int, port: int, smoke: bool) -> None:
         psp = packed(cu)
         psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.to(device)
 
-        def step():
+        def step(xl=xl, psp=psp):
             m(xl, None, packed_seq_params=psp)[0].sum().backward()
 
         times = []
