@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterator
 
 from gdn_compat._probe import Facts, probe
-from gdn_compat._registry import Patch, Record, Registry, Report, enabled_from
+from gdn_compat._registry import Record, Registry, Report, enabled_from
 from gdn_compat.hazards import Finding, check
 from gdn_compat.patches import PATCHES
 
@@ -31,13 +31,13 @@ def apply(**switches: bool) -> Report:
     """Apply every patch this megatron-core needs, once. ``apply(gdn_thd=False)`` or
     ``GDN_COMPAT_DISABLE=gdn_thd,mtp_padding_mask`` turns patches off. Thread-safe, idempotent."""
     enabled = enabled_from(tuple(p.name for p in PATCHES), switches)
-    findings = check(facts)
-    for finding in findings:
+    _registry.apply(facts, enabled)
+    result = report()
+    for finding in result.findings:  # after the patch decisions, once per process
         if finding.severity != "info" and finding not in _warned:
             _warned.add(finding)
             log.warning("%s", finding)
-    _registry.apply(facts, enabled)
-    return report()
+    return result
 
 
 def revert() -> Report:
@@ -75,6 +75,3 @@ def applied(**switches: bool) -> Iterator[Report]:
     finally:
         _registry.revert(to=mark)
 
-
-# Used by tests and the doctor; not part of the one-screen API.
-_PATCHES: tuple[Patch, ...] = PATCHES

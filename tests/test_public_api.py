@@ -11,6 +11,7 @@ import pytest
 
 import gdn_compat
 from gdn_compat import _table
+from gdn_compat.patches import PATCHES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -19,7 +20,7 @@ def test_apply_twice_then_revert_restores_every_original():
     import importlib
 
     before = {}
-    for patch in gdn_compat._PATCHES:
+    for patch in PATCHES:
         module, cls, attr = patch.target.rsplit(".", 2)
         try:
             owner = getattr(importlib.import_module(module), cls)
@@ -63,7 +64,7 @@ def test_doctor_text_names_every_patch_and_a_verdict(capsys):
 
     code = main([])
     text = capsys.readouterr().out
-    for patch in gdn_compat._PATCHES:
+    for patch in PATCHES:
         assert patch.name in text and patch.target in text
     assert ("verdict: OK" in text) == (code == 0)
 

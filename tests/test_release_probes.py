@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import gdn_compat
-from gdn_compat.patches import gdn_thd, mtp_padding_mask
+from gdn_compat.patches import PATCHES, gdn_thd, mtp_padding_mask
 from tests.conftest import MEGATRON
 
 GENERATION = {
@@ -42,7 +42,7 @@ def test_mtp_checkpointed_forward_generation():
 
 
 def test_exactly_the_needed_patches_are_selected():
-    needed = {p.name for p in gdn_compat._PATCHES if p.decide(gdn_compat.facts) is None}
+    needed = {p.name for p in PATCHES if p.decide(gdn_compat.facts) is None}
     assert needed == expected["needs"]
 
 

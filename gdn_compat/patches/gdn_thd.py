@@ -10,7 +10,8 @@ contract and, on CUDA, runs the same fla kernels in the same order as 0.18/0.19'
   no Python loop over sequences, host lengths from a per-pack cache (one device-to-host copy per
   pack, shared by every GDN layer), so a layer call itself never syncs;
 * packed on CPU tensors or in ``deterministic_mode``: pure torch (no Triton), one sequence at a
-  time with the release's own ``nn.Conv1d`` and ``torch_chunk_gated_delta_rule``. Upstream refuses
+  time with the release's conv weights through ``F.conv1d`` (what its ``nn.Conv1d`` computes) and
+  its ``torch_chunk_gated_delta_rule``. Upstream refuses
   THD in deterministic mode; we do not.
 
 Zero-length sequences (repeated ``cu_seqlens`` offsets, e.g. from pack alignment) hold no tokens and
@@ -25,14 +26,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import inspect
 import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from gdn_compat._probe import GDN_MODULE, Facts, _dist_version
+from gdn_compat._probe import GDN_MODULE, Facts, _accepts, _dist_version
 from gdn_compat._registry import Patch
 from gdn_compat.patches import _context_parallel as cpx
 
@@ -103,16 +103,16 @@ class _PackCache:
     def _key(tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
         return tuple((weakref.ref(t), t._version) for t in tensors)
 
-    def get(self, tensors: tuple[torch.Tensor, ...], total: int, device: Any) -> Pack | None:
-        for key, k_total, k_device, pack in self.entries:
-            if (k_total == total and k_device == device and len(key) == len(tensors)
+    def get(self, tensors: tuple[torch.Tensor, ...], total: int, scope: Any) -> Pack | None:
+        for key, k_total, k_scope, pack in self.entries:
+            if (k_total == total and k_scope == scope and len(key) == len(tensors)
                     and all(r() is t and v == t._version for (r, v), t in zip(key, tensors))):
                 return pack
         return None
 
-    def put(self, tensors: tuple[torch.Tensor, ...], total: int, device: Any, pack: Pack) -> None:
+    def put(self, tensors: tuple[torch.Tensor, ...], total: int, scope: Any, pack: Pack) -> None:
         self.entries = [e for e in self.entries if all(r() is not None for r, _ in e[0])]
-        self.entries.insert(0, (self._key(tensors), total, device, pack))
+        self.entries.insert(0, (self._key(tensors), total, scope, pack))  # scope: (device, cp)
         del self.entries[self.size:]
 
     def clear(self) -> None:
@@ -238,11 +238,11 @@ def _fla() -> tuple[Any, Any, dict[str, bool]]:
     from fla.modules.convolution import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    takes = {
-        "conv": "cu_seqlens" in inspect.signature(causal_conv1d).parameters,
-        "conv_cpu": "cu_seqlens_cpu" in inspect.signature(causal_conv1d).parameters,
-        "rule": "cu_seqlens" in inspect.signature(chunk_gated_delta_rule).parameters,
-        "rule_cpu": "cu_seqlens_cpu" in inspect.signature(chunk_gated_delta_rule).parameters,
+    takes = {  # the probe's own signature check (Facts.fla_*), asked of the functions we call
+        "conv": _accepts(causal_conv1d, "cu_seqlens") == "yes",
+        "conv_cpu": _accepts(causal_conv1d, "cu_seqlens_cpu") == "yes",
+        "rule": _accepts(chunk_gated_delta_rule, "cu_seqlens") == "yes",
+        "rule_cpu": _accepts(chunk_gated_delta_rule, "cu_seqlens_cpu") == "yes",
     }
     return causal_conv1d, chunk_gated_delta_rule, takes
 
