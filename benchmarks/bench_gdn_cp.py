@@ -39,22 +39,24 @@ def worker(rank: int, port: int, smoke: bool) -> None:
     for n in lengths:
         cu.append(cu[-1] + n)
     torch.manual_seed(0)
-    m = build_gdn(device=device, dtype=dtype, **shape)
     x = torch.randn(cu[-1], 1, shape["hidden"], dtype=dtype)
     from megatron.core import parallel_state
 
-    solo = [dist.new_group([r]) for r in range(2)]
-    results = {}
+    solo = [dist.new_group([r]) for r in range(2)]  # every rank creates every group
+    results, peak = {}, {}
+    # one module per cp size: native 0.18+ fixes its cp size at construction
     for cp, group in ((1, solo[rank]), (2, parallel_state.get_context_parallel_group())):
-        m.pg_collection.cp = group
+        m = build_gdn(device=device, dtype=dtype, cp_group=group, **shape)
         xl = (x if cp == 1 else shard(x, lengths, 2, rank)).to(device).requires_grad_(True)
         psp = packed(cu)
         psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.to(device)
 
-        def step(xl=xl, psp=psp):
+        def step(m=m, xl=xl, psp=psp):
             m(xl, None, packed_seq_params=psp)[0].sum().backward()
 
         times = []
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         for i in range(7):
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -67,9 +69,12 @@ def worker(rank: int, port: int, smoke: bool) -> None:
             if i >= 2:
                 times.append(ms)
         results[cp] = statistics.median(times)
+        peak[cp] = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
+        del m
     if rank == 0:
         print(f"THD fwd+bwd, {cu[-1]} tokens in {len(lengths)} sequences: cp=1 {results[1]:.2f} ms, "
-              f"cp=2 {results[2]:.2f} ms per rank ({results[1] / results[2]:.2f}x)")
+              f"cp=2 {results[2]:.2f} ms per rank ({results[1] / results[2]:.2f}x); "
+              f"peak memory rank 0 cp=1 {peak[1]:.0f} MiB, cp=2 {peak[2]:.0f} MiB")
     dist.destroy_process_group()
 
 

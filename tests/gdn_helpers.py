@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 
-def build_gdn(device="cpu", dtype=torch.float32, hidden=64, dk=16, dv=16, hk=2, hv=4, deterministic=False, seed=0):
+def build_gdn(device="cpu", dtype=torch.float32, hidden=64, dk=16, dv=16, hk=2, hv=4, deterministic=False, seed=0,
+              cp_group=None):
+    """A release GatedDeltaNet; `cp_group` replaces the context-parallel group (default: megatron's)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -24,7 +26,10 @@ def build_gdn(device="cpu", dtype=torch.float32, hidden=64, dk=16, dv=16, hk=2, 
         deterministic_mode=deterministic,
     )
     sub = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear)
-    m = GatedDeltaNet(cfg, sub, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    if cp_group is not None:
+        pg.cp = cp_group
+    m = GatedDeltaNet(cfg, sub, layer_number=1, pg_collection=pg)
     m = m.to(device=device, dtype=dtype)
     with torch.no_grad():  # give every parameter a non-trivial value (norm weights start at 1)
         for p in m.parameters():

@@ -1,0 +1,122 @@
+"""Context parallelism on 2 GPUs with NCCL and fla's kernels, bf16: the shim on 0.16/0.17, upstream's
+native path on 0.18+ (the reference for how close cp = 2 gets to cp = 1 with these kernels).
+
+Each rank builds the same GDN twice, once with a one-rank context group (cp = 1, the whole input)
+and once with the two-rank group (cp = 2, its load-balanced shard), and compares its output shard,
+its input-grad shard and the parameter gradients summed over both ranks (as Megatron's DP x CP
+reduction does). The CPU file tests/test_gdn_cp.py checks the same contract tightly in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gdn_compat
+from gdn_compat.patches import gdn_thd
+from tests.conftest import MEGATRON
+
+SHAPE = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)  # as the single-GPU tests: shared kernels
+BSHD = (512, 2)  # sequence length, batch
+THD_ACTUAL = [5, 70, 300, 129, 431]
+THD_PADDED = [n + (-n % 4) for n in THD_ACTUAL]  # divisible by 2 x cp
+# Bounds (relative norm error, bf16): one bf16 ulp for activations; gradients summed over ranks
+# are rounded to bf16 once per rank. The printed numbers of native 0.18/0.19 are the yardstick.
+BOUNDS = {"output": 8e-3, "input grad": 8e-3, "param grad": 2e-2}
+
+
+def _applies() -> str | None:
+    if MEGATRON is None:
+        return "megatron-core is not installed"
+    if torch.cuda.device_count() < 2:
+        return "needs 2 GPUs"
+    if gdn_thd.decide(gdn_compat.facts) is None:
+        return None  # 0.16/0.17: the shim
+    if gdn_compat.facts.gdn_cp == "native":
+        return None  # 0.18+: upstream's own context parallelism, the reference
+    return f"no GatedDeltaNet context parallelism on megatron-core {MEGATRON}"
+
+
+pytestmark = pytest.mark.skipif(_applies() is not None, reason=str(_applies()))
+
+
+def _cu(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _run(m, x, psp, dy):
+    x = x.detach().clone().requires_grad_(True)
+    m.zero_grad(set_to_none=True)
+    out, _ = m(x, None, packed_seq_params=psp)
+    out.backward(dy)
+    return out.detach(), x.grad.detach(), {n: p.grad.detach().float() for n, p in m.named_parameters()}
+
+
+def _worker(rank: int, port: int, queue) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from gdn_compat.testing import init_megatron_cuda
+    from tests.gdn_helpers import build_gdn, packed
+    from tests.test_gdn_cp import shard
+
+    init_megatron_cuda(rank, 2, 2, port)
+    gdn_compat.apply()
+    solo = [dist.new_group([r]) for r in range(2)]  # every rank creates every group
+    kw = dict(device="cuda", dtype=torch.bfloat16, **SHAPE)
+    m1 = build_gdn(cp_group=solo[rank], **kw)
+    m2 = build_gdn(cp_group=parallel_state.get_context_parallel_group(), **kw)
+    m2.load_state_dict(m1.state_dict())
+    gen = torch.Generator().manual_seed(11)
+    s, b = BSHD
+    thd = packed(_cu(THD_ACTUAL), padded=_cu(THD_PADDED))
+    for t in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        setattr(thd, t, getattr(thd, t).cuda())
+    cases = {"bshd": (torch.randn(s, b, SHAPE["hidden"], generator=gen), None, [s]),
+             "thd": (torch.randn(sum(THD_PADDED), 1, SHAPE["hidden"], generator=gen), thd, THD_PADDED)}
+    errors = {}
+    for name, (x, psp, lengths) in cases.items():
+        x = x.to(torch.bfloat16)
+        dy = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
+        out1, gx1, g1 = _run(m1, x.cuda(), psp, dy.cuda())
+        out2, gx2, g2 = _run(m2, shard(x, lengths, 2, rank).cuda(), psp, shard(dy, lengths, 2, rank).cuda())
+        for g in g2.values():
+            dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+        errors[name] = {
+            "output": rel(out2, shard(out1.cpu(), lengths, 2, rank).cuda()),
+            "input grad": rel(gx2, shard(gx1.cpu(), lengths, 2, rank).cuda()),
+            "param grad": max(rel(g2[n], g1[n]) for n in g1),
+            "worst param": max(g1, key=lambda n: rel(g2[n], g1[n])),
+        }
+    queue.put((rank, errors))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_cp2_on_two_gpus_matches_cp1_bshd_and_thd():
+    import torch.multiprocessing as mp
+
+    from gdn_compat.testing import _free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(_free_port(), queue), nprocs=2, join=True, start_method="spawn")
+    results = dict(queue.get() for _ in range(2))
+    kind = "shim" if gdn_thd.decide(gdn_compat.facts) is None else "native"
+    for rank, errors in sorted(results.items()):
+        for name, e in errors.items():
+            print(f"\n[cp-gpu {MEGATRON} {kind}] rank {rank} {name}: output rel={e['output']:.3g} "
+                  f"input-grad rel={e['input grad']:.3g} worst param-grad rel={e['param grad']:.3g} "
+                  f"({e['worst param']})", end="")
+    print()
+    for rank, errors in results.items():
+        for name, e in errors.items():
+            for what, bound in BOUNDS.items():
+                assert e[what] <= bound, f"{what} {name} rank {rank}: {e[what]:.3g} > {bound}"
