@@ -20,9 +20,19 @@ SHAPE = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)  # as the single-GPU tes
 BSHD = (512, 2)  # sequence length, batch
 THD_ACTUAL = [5, 70, 300, 129, 431]
 THD_PADDED = [n + (-n % 4) for n in THD_ACTUAL]  # divisible by 2 x cp
-# Bounds (relative norm error, bf16): one bf16 ulp for activations; gradients summed over ranks
-# are rounded to bf16 once per rank. The printed numbers of native 0.18/0.19 are the yardstick.
-BOUNDS = {"output": 8e-3, "input grad": 8e-3, "param grad": 2e-2}
+# Bounds (relative norm error, bf16), from the first 2-GPU run (H200 x2, fla-core 0.4.2, Triton 3.6).
+# THD, and BSHD on native 0.18/0.19: cp = 2 vs cp = 1 gave output 0 (bitwise), input grad 1.7e-4,
+# worst param grad 2.35e-3 -- the shim's THD numbers were the same as native's to three digits.
+# BSHD on 0.16/0.17: the cp = 1 reference is the release's own unpacked forward (nn.Conv1d), while
+# cp > 1 runs the shim's fla path; that conv difference alone gives output 5.0e-3, input grad 6.6e-3,
+# worst param grad 8.8e-3 (tests/gpu/test_gdn_thd_gpu.py measures the same 5.1e-3 output gap at cp = 1).
+TIGHT = {"output": 8e-3, "input grad": 1e-3, "param grad": 1e-2}  # output: one bf16 ulp
+RELEASE_CONV = {"output": 1e-2, "input grad": 1.5e-2, "param grad": 2e-2}
+
+
+def bounds(case: str) -> dict[str, float]:
+    shim = gdn_thd.decide(gdn_compat.facts) is None
+    return RELEASE_CONV if case == "bshd" and shim else TIGHT
 
 
 def _applies() -> str | None:
@@ -118,5 +128,5 @@ def test_cp2_on_two_gpus_matches_cp1_bshd_and_thd():
     print()
     for rank, errors in results.items():
         for name, e in errors.items():
-            for what, bound in BOUNDS.items():
+            for what, bound in bounds(name).items():
                 assert e[what] <= bound, f"{what} {name} rank {rank}: {e[what]:.3g} > {bound}"

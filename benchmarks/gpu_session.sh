@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The whole GPU plan on a 2-GPU H200 machine, resumable: each finished step leaves /tmp/done/<step>,
+# so calling it again on the same (warm) machine picks up where the last call's deadline cut it
+# (kernels stay compiled in /tmp/triton-cache). Run from the project root with .whl/ (from
+# ../shared/gpu/fetch-wheels.sh) and .whl6/ (`pip download --no-deps fla-core==0.6.0 -d .whl6`):
+#   DEADLINE=560 bash benchmarks/gpu_session.sh      (seconds this call may use; OUT gets all logs)
+# Two lanes run side by side (GPU 0: tests/gpu per release; both GPUs: the fla-core 0.6.0 doctor and
+# crash check, then the 2-GPU context-parallel test per release), then the benchmarks alone.
+set -u
+T0=$(date +%s); DEADLINE=${DEADLINE:-565}
+root=$(pwd); LOGS=/tmp/logs; mkdir -p /tmp/done $LOGS /tmp/xver
+export GDN_XVER_DIR=/tmp/xver PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
+for v in 0.16.1 0.17.1 0.18.2 0.19.2; do
+  [ -d /tmp/mc-$v ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mc-$v .whl/megatron_core-$v-*.whl
+done
+[ -d /tmp/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .whl/fla_core-*.whl
+[ -d /tmp/fla6 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla6 .whl6/*.whl
+step() {  # step NAME MIN_SECONDS ENV... -- COMMAND...
+  local name=$1 min=$2; shift 2
+  [ -e /tmp/done/$name ] && return 0
+  local l; l=$(left); if [ "$l" -lt "$min" ]; then echo "[lanes] skip $name: ${l}s left"; return 0; fi
+  echo "[lanes] start $name at +$(( $(date +%s) - T0 ))s"
+  local s=$(date +%s)
+  timeout -k 10 "$l" env "$@" > $LOGS/$name.log 2>&1; local rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "[lanes] $name cut at deadline after $(( $(date +%s) - s ))s"; return 0; fi
+  echo "$rc" > /tmp/done/$name
+  echo "[lanes] done $name rc=$rc in $(( $(date +%s) - s ))s"
+}
+PP() { echo "PYTHONPATH=$root:/tmp/mc-$1:${2:-/tmp/fla}"; }
+PT="python3 -m pytest -q -s -rs -p no:cacheprovider -W ignore"
+lane1() {
+  for v in 0.17.1 0.19.2 0.16.1 0.18.2; do
+    step gpu-$v 90 $(PP $v) CUDA_VISIBLE_DEVICES=0 $PT tests/gpu
+  done
+}
+lane2() {
+  step fla6-doctor 60 $(PP 0.17.1 /tmp/fla6) CUDA_VISIBLE_DEVICES=1 python3 -m gdn_compat --key-head-dim 128
+  step fla6-backward 90 $(PP 0.17.1 /tmp/fla6) CUDA_VISIBLE_DEVICES=1 $PT tests/gpu/test_doctor_gpu.py
+  for v in 0.17.1 0.18.2 0.16.1 0.19.2; do
+    step cp-$v 90 $(PP $v) $PT tests/gpu/test_gdn_cp_gpu.py
+  done
+}
+lane1 & lane2 & wait
+# benchmarks need the GPUs to themselves
+for v in 0.17.1 0.19.2; do
+  step bench-$v 100 $(PP $v) CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_gdn_thd.py --json-dir /tmp/logs
+done
+for v in 0.17.1 0.18.2; do
+  step benchcp-$v 100 $(PP $v) python3 benchmarks/bench_gdn_cp.py
+done
+echo; (cd $LOGS && grep -H "passed\|failed\|skipped\|error\|Error\|\[gdn-thd\|\[xver\|\[mtp\|\[doctor\|\[cp\|verdict\|fla-640\|THD fwd\|^THD\|^padded\|^per-seq\|^megatron-core\|^mode" *.log | grep -v "^\s*warnings.warn" | cut -c1-400 | head -120)
+echo "[lanes] finished at +$(( $(date +%s) - T0 ))s:"; for f in /tmp/done/*; do echo "  $(basename $f) rc=$(cat $f)"; done
+if [ -n "${OUT:-}" ]; then
+  for f in $LOGS/*.log; do echo "===== $(basename $f)"; cat $f; done > $OUT/all-logs.txt
+  cp $LOGS/*.json $OUT/ 2>/dev/null
+fi
+true
