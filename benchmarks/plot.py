@@ -24,6 +24,7 @@ def main(out: str) -> None:
     colors = ["#2a9d8f" if "THD" in lab else "#adb5bd" for lab in labels]
     bars = ax.bar(range(len(values)), values, color=colors)
     ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylim(0, 1.12 * max(values))
     ax.set_xticks(range(len(values)), labels, fontsize=7)
     ax.set_ylabel("forward + backward, ms (median of 5)")
     r0 = results[0]
