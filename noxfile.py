@@ -75,8 +75,9 @@ def compat_table_session(session: nox.Session) -> None:
     readme = pathlib.Path("README.md")
     text = readme.read_text()
     start, end = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
-    table = session.run("python", "-c", "import sys; from gdn_compat._table import render; "
-                        "print(render(sys.argv[1:]))", *rows, silent=True).rstrip("\n")
+    out = session.run("python", "-c", "import sys; from gdn_compat._table import render; "
+                      "print(render(sys.argv[1:]))", *rows, silent=True, env=CPU_ENV)
+    table = out[out.index(start):out.rindex(end) + len(end)]  # the output also holds import-time stderr
     new = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: table, text, flags=re.S)
     readme.write_text(new)
     session.log("\n" + table)

@@ -87,3 +87,10 @@ def test_readme_compatibility_row_for_this_release_is_current():
     readme = (ROOT / "README.md").read_text()
     row = _table.row(gdn_compat.facts)
     assert row in readme, f"README compatibility table is stale; regenerate with `nox -s compat_table`. Expected row:\n{row}"
+
+
+def test_readme_holds_no_captured_process_output():
+    """`nox -s compat_table` once pasted import-time stderr (warnings) above the table."""
+    readme = (ROOT / "README.md").read_text()
+    junk = [line for line in readme.splitlines() if "site-packages/" in line or "Warning:" in line]
+    assert junk == [], junk[:3]
