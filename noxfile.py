@@ -9,8 +9,6 @@
 from __future__ import annotations
 
 import os
-import pathlib
-import re
 
 import nox
 
@@ -71,13 +69,4 @@ def _table_rows(session: nox.Session) -> list[str]:
 def compat_table_session(session: nox.Session) -> None:
     session.install("--no-deps", "-e", ".")
     session.install("packaging")
-    rows = _table_rows(session)
-    readme = pathlib.Path("README.md")
-    text = readme.read_text()
-    start, end = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
-    out = session.run("python", "-c", "import sys; from gdn_compat._table import render; "
-                      "print(render(sys.argv[1:]))", *rows, silent=True, env=CPU_ENV)
-    table = out[out.index(start):out.rindex(end) + len(end)]  # the output also holds import-time stderr
-    new = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: table, text, flags=re.S)
-    readme.write_text(new)
-    session.log("\n" + table)
+    session.run("python", "-m", "gdn_compat._table", "README.md", *_table_rows(session), env=CPU_ENV)

@@ -17,8 +17,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-LENGTHS = [4093, 2050, 1531, 1029, 3070, 509, 771, 1283, 2048]
-SHAPE = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)
+from tests.gdn_helpers import DESIGN_LENGTHS as LENGTHS  # noqa: E402
+from tests.gdn_helpers import QWEN3_NEXT as SHAPE  # noqa: E402
+from tests.gdn_helpers import build_gdn, offsets, packed, shard  # noqa: E402
 
 
 def worker(rank: int, port: int, smoke: bool) -> None:
@@ -28,16 +29,12 @@ def worker(rank: int, port: int, smoke: bool) -> None:
 
     (init_megatron_cpu if smoke else init_megatron_cuda)(rank, 2, 2, port)
     import gdn_compat
-    from tests.gdn_helpers import build_gdn, packed
-    from tests.test_gdn_cp import shard
 
     gdn_compat.apply()
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     shape = dict(hidden=32, dk=8, dv=8, hk=4, hv=8) if smoke else SHAPE
     lengths = [8, 16, 8] if smoke else [n + (-n % 4) for n in LENGTHS]
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+    cu = offsets(lengths)
     torch.manual_seed(0)
     x = torch.randn(cu[-1], 1, shape["hidden"], dtype=dtype)
     from megatron.core import parallel_state
@@ -70,7 +67,6 @@ def worker(rank: int, port: int, smoke: bool) -> None:
                 times.append(ms)
         results[cp] = statistics.median(times)
         peak[cp] = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
-        del m
     if rank == 0:
         print(f"THD fwd+bwd, {cu[-1]} tokens in {len(lengths)} sequences: cp=1 {results[1]:.2f} ms, "
               f"cp=2 {results[2]:.2f} ms per rank ({results[1] / results[2]:.2f}x); "

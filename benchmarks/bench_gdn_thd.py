@@ -12,14 +12,14 @@ import json
 import os
 import statistics
 import sys
-import warnings
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-LENGTHS = [4093, 2050, 1531, 1029, 3070, 509, 771, 1283, 2048]
-SHAPE = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)
+from tests.gdn_helpers import DESIGN_LENGTHS as LENGTHS  # noqa: E402
+from tests.gdn_helpers import QWEN3_NEXT as SHAPE  # noqa: E402
+from tests.gdn_helpers import build_gdn, host_syncs, offsets, packed  # noqa: E402
 
 
 def measure(step, reps=5, warmup=2):
@@ -39,19 +39,6 @@ def measure(step, reps=5, warmup=2):
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def count_syncs(step):
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    # torch announces the debug mode itself once ("... is a prototype feature ..."): not a sync
-    return sum("synchroniz" in str(w.message) and "prototype feature" not in str(w.message) for w in caught)
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json-dir", default=None)
@@ -60,16 +47,13 @@ def main():
 
     init_megatron_cuda()
     import gdn_compat
-    from tests.gdn_helpers import build_gdn, packed
 
     report = gdn_compat.apply()
     native = gdn_compat.facts.gdn_thd == "native"
     thd_label = "THD native" if native else f"THD shim ({report['gdn_thd'].status})"
     m = build_gdn(device="cuda", dtype=torch.bfloat16, **SHAPE)
     T, H = sum(LENGTHS), SHAPE["hidden"]
-    cu = [0]
-    for n in LENGTHS:
-        cu.append(cu[-1] + n)
+    cu = offsets(LENGTHS)
     x = torch.randn(T, 1, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     psp = packed(cu)
     psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda()
@@ -93,7 +77,7 @@ def main():
     for label, step in ((thd_label, thd), ("padded BSHD", padded), ("per-sequence loop", per_seq)):
         ms, mib = measure(step)
         rows[label] = {"ms": round(ms, 2), "peak_mib": round(mib, 1)}
-    rows[thd_label]["syncs_per_call"] = count_syncs(thd)
+    rows[thd_label]["syncs_per_call"] = len(host_syncs(thd))
     ref = rows[thd_label]["ms"]
     mc = gdn_compat.facts.megatron
     print(f"megatron-core {mc}, {gdn_compat.facts.fla}, torch {torch.__version__}, {torch.cuda.get_device_name()}")

@@ -21,7 +21,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     init_megatron_cpu()
     import gdn_compat
-    from tests.gdn_helpers import build_gdn, l2norm_ref, packed
+    from tests.gdn_helpers import build_gdn, l2norm_ref, offsets, packed
 
     report = gdn_compat.apply()
     print(f"megatron-core {gdn_compat.facts.megatron}: " + "; ".join(f"{r.name} {r.status}" for r in report))
@@ -32,9 +32,7 @@ def main() -> int:
 
     release.l2norm = l2norm_ref  # the release's unpacked path calls fla's Triton l2norm: give it torch's
     lengths = [1, 37, 5, 64, 90, 3]
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+    cu = offsets(lengths)
     m = build_gdn(deterministic=True)
     x = torch.randn(cu[-1], 1, 64, requires_grad=True)
     out, _ = m(x, None, packed_seq_params=packed(cu))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 from gdn_compat._probe import Facts
 
 HEADER = ("| megatron-core | GatedDeltaNet | THD in GDN | CP in GDN | MTP `_checkpointed_forward` | `gdn_thd` "
@@ -23,3 +26,17 @@ def row(facts: Facts) -> str:
 
 def render(rows: list[str]) -> str:
     return "\n".join([START, HEADER, *rows, END])
+
+
+def update_readme(path: str, rows: list[str]) -> str:
+    """Replace the marked table in the README at ``path``; returns the new table."""
+    readme = pathlib.Path(path)
+    text = readme.read_text()
+    start, end = text.index(START), text.index(END) + len(END)
+    table = render(rows)
+    readme.write_text(text[:start] + table + text[end:])
+    return table
+
+
+if __name__ == "__main__":  # nox -s compat_table: python -m gdn_compat._table README.md ROW...
+    print(update_readme(sys.argv[1], sys.argv[2:]))

@@ -3,9 +3,51 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
+
+QWEN3_NEXT = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)  # GDN layer shape of the GPU tests and benchmarks
+DESIGN_LENGTHS = [4093, 2050, 1531, 1029, 3070, 509, 771, 1283, 2048]  # design.md section 5: 16,384 tokens
+
+
+def offsets(lengths: list[int]) -> list[int]:
+    """cu_seqlens of a pack: [0, l0, l0 + l1, ...]."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def shard(x: torch.Tensor, lengths: list[int], cp: int, rank: int) -> torch.Tensor:
+    """Megatron's load-balanced layout: rank r keeps chunks r and 2cp-1-r of every sequence."""
+    out, start = [], 0
+    for n in lengths:
+        chunks = x[start:start + n].chunk(2 * cp)
+        out += [chunks[rank], chunks[2 * cp - 1 - rank]]
+        start += n
+    return torch.cat(out)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error in the 2-norm, in fp32."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def host_syncs(step) -> list[str]:
+    """Run ``step`` under torch's sync debug mode; the device-to-host syncs it reported."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    # torch announces the debug mode itself once ("... is a prototype feature ..."): not a sync
+    return [str(w.message) for w in caught
+            if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
 
 
 def build_gdn(device="cpu", dtype=torch.float32, hidden=64, dk=16, dv=16, hk=2, hv=4, deterministic=False, seed=0,

@@ -18,23 +18,13 @@ import torch
 import gdn_compat
 from gdn_compat.patches import gdn_thd
 from tests.conftest import MEGATRON
-from tests.gdn_helpers import build_gdn, l2norm_ref, packed
+from tests.gdn_helpers import build_gdn, l2norm_ref, packed, shard
 
 NEEDED = gdn_thd.decide(gdn_compat.facts) is None
 pytestmark = pytest.mark.skipif(not NEEDED, reason=f"gdn_thd not needed on megatron-core {MEGATRON}")
 SHAPE = dict(hidden=32, dk=8, dv=8, hk=4, hv=8)  # GQA, heads divisible by cp = 4
 BSHD = (16, 2)  # sequence length, batch
 THD_ACTUAL, THD_PADDED = [0, 5, 20, 27], [0, 8, 24, 32]  # padded lengths 8, 16, 8: divisible by 2 x 4
-
-
-def shard(x: torch.Tensor, lengths: list[int], cp: int, rank: int) -> torch.Tensor:
-    """Megatron's load-balanced layout: rank r keeps chunks r and 2cp-1-r of every sequence."""
-    out, start = [], 0
-    for n in lengths:
-        chunks = x[start:start + n].chunk(2 * cp)
-        out += [chunks[rank], chunks[2 * cp - 1 - rank]]
-        start += n
-    return torch.cat(out)
 
 
 def run(m, x, psp):

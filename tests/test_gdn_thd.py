@@ -8,7 +8,7 @@ import torch
 import gdn_compat
 from gdn_compat.patches import gdn_thd
 from tests.conftest import MEGATRON
-from tests.gdn_helpers import build_gdn, l2norm_ref, packed, reference_gdn
+from tests.gdn_helpers import build_gdn, l2norm_ref, offsets, packed, reference_gdn
 
 NEEDED = gdn_thd.decide(gdn_compat.facts) is None
 pytestmark = pytest.mark.skipif(not NEEDED, reason=f"gdn_thd not needed on megatron-core {MEGATRON}: "
@@ -16,9 +16,7 @@ pytestmark = pytest.mark.skipif(not NEEDED, reason=f"gdn_thd not needed on megat
 
 # a length-1 sequence, lengths that are not multiples of 64, a chunk-sized one, many short ones
 LENGTHS = [1, 70, 5, 64, 130, 2, 3, 1, 4, 2, 3, 5, 1, 2]
-CU = [0]
-for n in LENGTHS:
-    CU.append(CU[-1] + n)
+CU = offsets(LENGTHS)
 CFG = dict(dk=16, dv=16, hk=2, hv=4, kernel=4, eps=1e-5)
 
 

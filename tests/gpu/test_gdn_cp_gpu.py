@@ -15,8 +15,9 @@ import torch
 import gdn_compat
 from gdn_compat.patches import gdn_thd
 from tests.conftest import MEGATRON
+from tests.gdn_helpers import QWEN3_NEXT as SHAPE  # as the single-GPU tests: shared kernels
+from tests.gdn_helpers import offsets, rel
 
-SHAPE = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)  # as the single-GPU tests: shared kernels
 BSHD = (512, 2)  # sequence length, batch
 THD_ACTUAL = [5, 70, 300, 129, 431]
 THD_PADDED = [n + (-n % 4) for n in THD_ACTUAL]  # divisible by 2 x cp
@@ -47,18 +48,8 @@ def _applies() -> str | None:
     return f"no GatedDeltaNet context parallelism on megatron-core {MEGATRON}"
 
 
-pytestmark = pytest.mark.skipif(_applies() is not None, reason=str(_applies()))
-
-
-def _cu(lengths):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return cu
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+SKIP = _applies()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 
 
 def _run(m, x, psp, dy):
@@ -74,8 +65,7 @@ def _worker(rank: int, port: int, queue) -> None:
     from megatron.core import parallel_state
 
     from gdn_compat.testing import init_megatron_cuda
-    from tests.gdn_helpers import build_gdn, packed
-    from tests.test_gdn_cp import shard
+    from tests.gdn_helpers import build_gdn, packed, shard
 
     init_megatron_cuda(rank, 2, 2, port)
     gdn_compat.apply()
@@ -86,7 +76,7 @@ def _worker(rank: int, port: int, queue) -> None:
     m2.load_state_dict(m1.state_dict())
     gen = torch.Generator().manual_seed(11)
     s, b = BSHD
-    thd = packed(_cu(THD_ACTUAL), padded=_cu(THD_PADDED))
+    thd = packed(offsets(THD_ACTUAL), padded=offsets(THD_PADDED))
     for t in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         setattr(thd, t, getattr(thd, t).cuda())
     cases = {"bshd": (torch.randn(s, b, SHAPE["hidden"], generator=gen), None, [s]),
