@@ -1,21 +1,31 @@
 """Test matrix: one session per megatron-core release, on Python 3.12, with uv.
 
-    nox                                          # every release + lint
+    nox                                          # every release + lint + the built wheel
     nox -s "tests(megatron_core='0.18.2')"       # one release
     nox -s demo                                  # the CPU demo (megatron-core 0.17.1)
     nox -s compat_table                          # regenerate the README compatibility table
+    nox -s wheel                                 # build sdist + wheel, use the wheel from a clean venv
+
+Python 3.12 (megatron-core >= 0.17 requires it): $NOX_PYTHON312 if set, else ``python3.12`` on PATH,
+else a pyenv-installed 3.12, else nox's own lookup of "3.12".
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import shutil
+import subprocess
+import sys
 
 import nox
 
+sys.path.insert(0, os.path.dirname(__file__))
+from tests.support import compat_table  # noqa: E402  (stdlib only)
+
 RELEASES = ["0.15.3", "0.16.0", "0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.18.2",
             "0.19.0", "0.19.1", "0.19.2"]
-PY312 = "/root/.pyenv/versions/3.12.1/bin/python"
-PYTHON = PY312 if os.path.exists(PY312) else "3.12"  # megatron-core >= 0.17 requires 3.12
 # Test-only stack, pinned so uv's cache serves every session the same ~3 GB torch wheel.
 # fla-core 0.6.0 imports with this torch's Triton (0.4.x does not); CPU tests never run its kernels.
 TORCH = "torch==2.15.0"
@@ -27,7 +37,18 @@ TEST_DEPS = [TORCH, FLA, "pytest>=8", "numpy"]
 # the arch list is given. The compile then fails cleanly and megatron carries on without it.
 CPU_ENV = {"PYTHONWARNINGS": "ignore", "TORCH_CUDA_ARCH_LIST": "9.0"}
 
-nox.options.sessions = ["tests", "lint"]
+
+def _python312() -> str:
+    for candidate in (os.environ.get("NOX_PYTHON312"), shutil.which("python3.12")):
+        if candidate and subprocess.run([candidate, "--version"], capture_output=True).returncode == 0:
+            return candidate
+    pyenv = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python")))
+    return pyenv[-1] if pyenv else "3.12"
+
+
+PYTHON = _python312()
+
+nox.options.sessions = ["tests", "lint", "wheel"]
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 
@@ -49,24 +70,48 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def wheel(session: nox.Session) -> None:
+    """Build the sdist and wheel, install the wheel (not the checkout) next to a megatron-core release
+    in a clean venv, and use it from outside the checkout: the doctor's JSON and the public API."""
+    dist = os.path.join(session.create_tmp(), "dist")
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("uv", "build", "--sdist", "--wheel", "--out-dir", dist, external=True, silent=True)
+    built = sorted(os.listdir(dist))
+    session.log(f"built {built}")
+    if not any(f.endswith(".tar.gz") for f in built):
+        session.error(f"no sdist in {built}")
+    [whl] = [os.path.join(dist, f) for f in built if f.endswith(".whl")]
+    session.install(TORCH, FLA, "megatron-core==0.17.1", whl)
+    away = session.create_tmp()  # not the checkout: only the installed wheel can be imported
+    code = ("import json, subprocess, sys, gdn_compat\n"
+            "assert 'site-packages' in gdn_compat.__file__, gdn_compat.__file__\n"
+            "out = subprocess.run([sys.executable, '-m', 'gdn_compat', '--json'], capture_output=True, text=True)\n"
+            "data = json.loads(out.stdout)\n"
+            "assert out.returncode == (0 if data['ok'] else 1), out.returncode\n"
+            "report = gdn_compat.apply()\n"
+            "assert report['gdn_thd'].status == 'applied', report['gdn_thd']\n"
+            "assert {p['name'] for p in data['patches'] if p['status'] == 'would_apply'} == set(report.applied)\n"
+            "assert {r.name for r in gdn_compat.revert() if r.status == 'reverted'} == set(report.applied)\n"
+            "print('wheel OK:', gdn_compat.__file__, sorted(report.applied))\n")
+    with session.chdir(away):
+        session.run("python", "-c", code, env=CPU_ENV)
+
+
+@nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """Packed (THD) GDN forward/backward on megatron-core 0.17.1, on the CPU, through the shim."""
     session.install(*TEST_DEPS, "megatron-core==0.17.1")
     session.install("--no-deps", "-e", ".")
-    session.run("python", "examples/cpu_demo.py", env=CPU_ENV)
-
-
-def _table_rows(session: nox.Session) -> list[str]:
-    rows = []
-    for release in RELEASES:
-        session.install(*TEST_DEPS, f"megatron-core=={release}")
-        rows.append(session.run("python", "-m", "gdn_compat", "--table-row", silent=True,
-                                env=CPU_ENV).strip().splitlines()[-1])
-    return rows
+    session.run("python", "-m", "examples.cpu_demo", env=CPU_ENV)
 
 
 @nox.session(name="compat_table", python=PYTHON)
 def compat_table_session(session: nox.Session) -> None:
+    """The doctor's --json on every release, rendered into the README between its markers."""
     session.install("--no-deps", "-e", ".")
-    session.install("packaging")
-    session.run("python", "-m", "gdn_compat._table", "README.md", *_table_rows(session), env=CPU_ENV)
+    rows = []
+    for release in RELEASES:
+        session.install(*TEST_DEPS, f"megatron-core=={release}")
+        out = session.run("python", "-m", "gdn_compat", "--json", silent=True, env=CPU_ENV, success_codes=[0, 1])
+        rows.append(compat_table.row(json.loads(out[out.index('{\n  "gdn_compat"'):])))  # after any stderr
+    session.log(compat_table.update_readme("README.md", rows))

@@ -2,32 +2,32 @@
 sequence padded to a multiple of 2 x cp as Megatron's THD load balancing needs), one process per
 GPU with NCCL. For the multi-GPU issue; `--cpu-smoke` runs tiny shapes with gloo to check the script.
 
-    python benchmarks/bench_gdn_cp.py            # needs 2 GPUs and megatron-core 0.16/0.17 (+ gdn_compat) or 0.18+
+    python -m benchmarks.bench_gdn_cp            # from the repository root; needs 2 GPUs and megatron-core 0.16/0.17 (+ gdn_compat) or 0.18+
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from tests.gdn_helpers import DESIGN_LENGTHS as LENGTHS  # noqa: E402
-from tests.gdn_helpers import QWEN3_NEXT as SHAPE  # noqa: E402
-from tests.gdn_helpers import build_gdn, offsets, packed, shard  # noqa: E402
+from tests.support.gdn import DESIGN_LENGTHS as LENGTHS
+from tests.support.gdn import QWEN3_NEXT as SHAPE
+from tests.support.gdn import build_gdn, offsets, packed, shard
 
 
 def worker(rank: int, port: int, smoke: bool) -> None:
+    from tests.support.megatron import world
+
+    with world(rank, 2, cp=2, port=port, cuda=not smoke):
+        run(rank, smoke)
+
+
+def run(rank: int, smoke: bool) -> None:
     import torch.distributed as dist
 
-    from gdn_compat.testing import init_megatron_cpu, init_megatron_cuda
-
-    (init_megatron_cpu if smoke else init_megatron_cuda)(rank, 2, 2, port)
     import gdn_compat
 
     gdn_compat.apply()
@@ -71,7 +71,6 @@ def worker(rank: int, port: int, smoke: bool) -> None:
         print(f"THD fwd+bwd, {cu[-1]} tokens in {len(lengths)} sequences: cp=1 {results[1]:.2f} ms, "
               f"cp=2 {results[2]:.2f} ms per rank ({results[1] / results[2]:.2f}x); "
               f"peak memory rank 0 cp=1 {peak[1]:.0f} MiB, cp=2 {peak[2]:.0f} MiB")
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -80,9 +79,9 @@ def main() -> None:
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
-    from gdn_compat.testing import _free_port
+    from tests.support.megatron import free_port
 
-    mp.spawn(worker, args=(_free_port(), args.cpu_smoke), nprocs=2, join=True)
+    mp.spawn(worker, args=(free_port(), args.cpu_smoke), nprocs=2, join=True)
 
 
 if __name__ == "__main__":

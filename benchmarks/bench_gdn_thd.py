@@ -2,7 +2,8 @@
 native on 0.18+), right-padded BSHD, and one call per sequence. Median of 5 after warm-up, peak
 memory above the inputs, host syncs per THD layer call with the pack already known.
 
-    python benchmarks/bench_gdn_thd.py [--json-dir DIR]     (writes DIR/bench-<megatron-core>.json)
+    python -m benchmarks.bench_gdn_thd [--json-dir DIR]     (from the repository root)
+    writes DIR/bench-<megatron-core>.json
 """
 
 from __future__ import annotations
@@ -11,15 +12,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from tests.gdn_helpers import DESIGN_LENGTHS as LENGTHS  # noqa: E402
-from tests.gdn_helpers import QWEN3_NEXT as SHAPE  # noqa: E402
-from tests.gdn_helpers import build_gdn, host_syncs, offsets, packed  # noqa: E402
+from tests.support.gdn import DESIGN_LENGTHS as LENGTHS
+from tests.support.gdn import QWEN3_NEXT as SHAPE
+from tests.support.gdn import build_gdn, host_syncs, offsets, packed
 
 
 def measure(step, reps=5, warmup=2):
@@ -43,13 +41,18 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json-dir", default=None)
     args = parser.parse_args()
-    from gdn_compat.testing import init_megatron_cuda
+    from tests.support.megatron import world
 
-    init_megatron_cuda()
+    with world(cuda=True):
+        run(args)
+
+
+def run(args):
     import gdn_compat
 
     report = gdn_compat.apply()
-    native = gdn_compat.facts.gdn_thd == "native"
+    facts = report.facts
+    native = facts.gdn_thd == "native"
     thd_label = "THD native" if native else f"THD shim ({report['gdn_thd'].status})"
     m = build_gdn(device="cuda", dtype=torch.bfloat16, **SHAPE)
     T, H = sum(LENGTHS), SHAPE["hidden"]
@@ -79,14 +82,14 @@ def main():
         rows[label] = {"ms": round(ms, 2), "peak_mib": round(mib, 1)}
     rows[thd_label]["syncs_per_call"] = len(host_syncs(thd))
     ref = rows[thd_label]["ms"]
-    mc = gdn_compat.facts.megatron
-    print(f"megatron-core {mc}, {gdn_compat.facts.fla}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    mc = facts.megatron.version if facts.megatron else None
+    print(f"megatron-core {mc}, {facts.fla}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(f"{'mode':<28}{'ms':>8}{'vs THD':>8}{'peak MiB':>10}{'syncs':>7}")
     for label, r in rows.items():
         print(f"{label:<28}{r['ms']:>8.2f}{r['ms'] / ref:>7.2f}x{r['peak_mib']:>10.0f}{r.get('syncs_per_call', ''):>7}")
     if args.json_dir:
         with open(os.path.join(args.json_dir, f"bench-{mc}.json"), "w") as fh:
-            json.dump({"megatron_core": mc, "fla": gdn_compat.facts.fla, "torch": torch.__version__,
+            json.dump({"megatron_core": mc, "fla": str(facts.fla), "torch": torch.__version__,
                        "gpu": torch.cuda.get_device_name(), "lengths": LENGTHS, "rows": rows}, fh, indent=1)
 
 

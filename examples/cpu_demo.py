@@ -1,30 +1,30 @@
 """CPU demo: packed (THD) GatedDeltaNet forward and backward on megatron-core 0.16/0.17 through
 gdn_compat, checked against running each sequence on its own. No GPU needed.
 
-    nox -s demo            (or: python examples/cpu_demo.py in an env with megatron-core 0.17.1)
+    nox -s demo            (or, from the repository root: python -m examples.cpu_demo)
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from gdn_compat.testing import init_megatron_cpu  # noqa: E402
+import gdn_compat
+from tests.support.gdn import build_gdn, l2norm_ref, offsets, packed
+from tests.support.megatron import world
 
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-    init_megatron_cpu()
-    import gdn_compat
-    from tests.gdn_helpers import build_gdn, l2norm_ref, offsets, packed
+    with world():
+        return demo()
 
+
+def demo() -> int:
     report = gdn_compat.apply()
-    print(f"megatron-core {gdn_compat.facts.megatron}: " + "; ".join(f"{r.name} {r.status}" for r in report))
+    print(f"{report.facts.release}: " + "; ".join(f"{r.name} {r.status}" for r in report))
     if report["gdn_thd"].status != "applied":
         print(f"gdn_thd not applied here ({report['gdn_thd'].reason}); the demo needs megatron-core 0.16/0.17")
         return 1

@@ -3,36 +3,40 @@
     import gdn_compat
     gdn_compat.apply()      # before the model is built
 
-``import gdn_compat`` probes the installed stack (read-only). ``apply()`` patches exactly what this
-release lacks, logs each decision once on the ``gdn_compat`` logger, and returns a ``Report``.
+``apply()`` probes the installed stack *now* (signatures and source shapes, never version strings),
+patches exactly what this release lacks, logs each decision once on the ``gdn_compat`` logger, and
+returns a ``Report``. Importing gdn_compat changes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from gdn_compat._probe import Facts, probe
-from gdn_compat._registry import Record, Registry, Report, enabled_from
+from gdn_compat._registry import Record, Registry, Report, switches_from
 from gdn_compat.hazards import Finding, check
 from gdn_compat.patches import PATCHES
 
 __version__ = "0.1.0"
-__all__ = ["Facts", "Finding", "Record", "Report", "apply", "applied", "facts", "plan", "report", "revert"]
+__all__ = ["Facts", "Finding", "Record", "Report", "apply", "applied", "plan", "probe", "report", "revert"]
 
 log = logging.getLogger("gdn_compat")
-facts: Facts = probe()
+_NAMES = tuple(p.name for p in PATCHES)
 _registry = Registry(PATCHES)
 _warned: set[Finding] = set()
 
 
-def apply(**switches: bool) -> Report:
-    """Apply every patch this megatron-core needs, once. ``apply(gdn_thd=False)`` or
-    ``GDN_COMPAT_DISABLE=gdn_thd,mtp_padding_mask`` turns patches off. Thread-safe, idempotent."""
-    enabled = enabled_from(tuple(p.name for p in PATCHES), switches)
-    _registry.apply(facts, enabled)
-    result = report()
+def apply(*, force: Iterable[str] = (), **switches: bool) -> Report:
+    """Apply every patch this megatron-core needs, once, in a fixed order. ``apply(gdn_thd=False)`` or
+    ``GDN_COMPAT_DISABLE=gdn_thd,...`` turns patches off. A target that is no longer the release's
+    own object (another library replaced it) is skipped with the reason, unless named in ``force``.
+    Thread-safe, idempotent."""
+    forced = _forced(force)
+    facts = probe()
+    _registry.apply(facts, switches_from(_NAMES, switches), forced)
+    result = _report(facts)
     for finding in result.findings:  # after the patch decisions, once per process
         if finding.severity != "info" and finding not in _warned:
             _warned.add(finding)
@@ -40,38 +44,44 @@ def apply(**switches: bool) -> Report:
     return result
 
 
+def plan(facts: Facts | None = None, *, force: Iterable[str] = (), **switches: bool) -> list[Record]:
+    """What ``apply()`` would decide for each patch now (status ``would_apply`` / ``skipped`` /
+    ``applied`` when already applied), changing nothing."""
+    return _registry.decide(facts or probe(), switches_from(_NAMES, switches), _forced(force))
+
+
 def revert() -> Report:
-    """Restore every original object (identity), newest first. Harmless when nothing is applied."""
+    """Restore every original object (identity), newest first; a replacement that someone else
+    replaced after ``apply()`` is left in place and reported so. Harmless when nothing is applied."""
     _registry.revert()
     return report()
 
 
 def report() -> Report:
     """The latest decision for every patch that ``apply()`` or ``revert()`` has seen."""
-    records = tuple(_registry.records[p.name] for p in PATCHES if p.name in _registry.records)
-    return Report(records=records, findings=tuple(check(facts)), facts=facts)
-
-
-def plan(for_facts: Facts | None = None) -> list[Record]:
-    """What ``apply()`` would decide for each patch, without changing anything (used by the doctor)."""
-    use = for_facts or facts
-    out = []
-    enabled = enabled_from(tuple(p.name for p in PATCHES), {})
-    for patch in PATCHES:
-        why = enabled[patch.name] or patch.decide(use)
-        if why:
-            out.append(Record(patch.name, patch.target, "skipped", why))
-        else:
-            out.append(Record(patch.name, patch.target, "applied", f"would apply: {patch.summary}"))
-    return out
+    return _report(probe())
 
 
 @contextlib.contextmanager
-def applied(**switches: bool) -> Iterator[Report]:
+def applied(*, force: Iterable[str] = (), **switches: bool) -> Iterator[Report]:
     """``with gdn_compat.applied(): ...`` applies, then reverts what this block applied."""
     mark = len(_registry.undo)
     try:
-        yield apply(**switches)
+        yield apply(force=force, **switches)
     finally:
         _registry.revert(to=mark)
 
+
+def _forced(force: Iterable[str]) -> frozenset[str]:
+    if isinstance(force, str):
+        force = [force]
+    names = frozenset(force)
+    if names - set(_NAMES):
+        raise TypeError(f"apply(force=...) names unknown patch(es) {sorted(names - set(_NAMES))}; "
+                        f"known patches: {list(_NAMES)}")
+    return names
+
+
+def _report(facts: Facts) -> Report:
+    records = tuple(_registry.records[n] for n in _NAMES if n in _registry.records)
+    return Report(records=records, findings=tuple(check(facts)), facts=facts)

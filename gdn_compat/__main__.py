@@ -1,7 +1,8 @@
 """The doctor: ``python -m gdn_compat [--json] [--key-head-dim N]``.
 
 Prints the stack, each probe's finding, what ``apply()`` would decide for each patch, and the known
-kernel-stack hazards; exits 1 when a finding is an error or a danger, else 0.
+kernel-stack hazards. Exit codes: 0 nothing wrong, 1 a finding is an error or a danger, 2 a usage
+error (a bad argument or a bad ``GDN_COMPAT_DISABLE``), reported as a finding too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,69 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import Any
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+
+
+def doctor(key_head_dim: int | None = None) -> dict[str, Any]:
+    """Everything the doctor reports, as plain data (the ``--json`` output)."""
+    import gdn_compat
+    from gdn_compat import hazards
+
+    facts = gdn_compat.probe(init_cuda=True)  # its own process: creating a CUDA context harms nobody
+    findings = hazards.check(facts, key_head_dim=key_head_dim)
+    try:
+        plan = [dataclasses.asdict(r) for r in gdn_compat.plan(facts)]
+        usage = None
+    except (TypeError, ValueError) as exc:
+        plan = []
+        usage = hazards.Finding("error", "usage", str(exc), fix="correct the patch names (see `patches` in --help)")
+        findings.insert(0, usage)
+    return {
+        "gdn_compat": gdn_compat.__version__,
+        "facts": facts.as_dict(),
+        "patches": plan,
+        "findings": [dataclasses.asdict(f) for f in findings],
+        "ok": not hazards.failing(findings),
+        "exit": EXIT_USAGE if usage else (EXIT_PROBLEM if hazards.failing(findings) else EXIT_OK),
+    }
+
+
+def render(data: dict[str, Any]) -> str:
+    f = data["facts"]
+    mc, fla, gpu = f["megatron"] or {}, f["fla"] or {}, f["gpu"]
+    v = f["fla_varlen"]
+    lines = [
+        f"gdn_compat {data['gdn_compat']} doctor",
+        "stack:",
+        f"  python {f['python']}   torch {f['torch']}   triton {f['triton']}   GPU "
+        + (f"sm_{gpu['capability'][0]}{gpu['capability'][1]} {gpu['name']}" if gpu else f["notes"].get("gpu", "?")),
+        f"  megatron-core {mc.get('version', 'absent')}   {mc.get('path') or ''}",
+        f"  fla {fla.get('name', 'absent')} {fla.get('version', '')}   {fla.get('path') or f['fla_error'] or ''}"
+        + (f"   tilelang {f['tilelang']}" if f["tilelang"] else ""),
+        "probes:",
+        f"  GatedDeltaNet              {f['gdn']} {f['gdn_file'] or ''}",
+        f"  GDN packed sequences (THD) {f['gdn_thd']}",
+        f"  GDN context parallel       {f['gdn_cp']}   config refuses it: {f['config_refuses_gdn_cp']}",
+        f"  GDN __init__ cp_comm_type  {f['gdn_init_cp_comm_type']}",
+        f"  GDN unpacked conv          {f['gdn_conv']}",
+        f"  MTP _checkpointed_forward  {f['mtp']}",
+        f"  fla chunk_gated_delta_rule cu_seqlens={v['rule']} cu_seqlens_cpu={v['rule_cpu']}",
+        f"  fla causal_conv1d          cu_seqlens={v['conv']} cu_seqlens_cpu={v['conv_cpu']}",
+    ]
+    lines += [f"  note {k}: {why}" for k, why in f["notes"].items()]
+    lines.append("patches (what apply() would do):")
+    for rec in data["patches"]:
+        lines.append(f"  {'APPLY' if rec['status'] == 'would_apply' else 'skip '} {rec['name']:<17} {rec['target']}")
+        lines.append(f"        {rec['reason']}")
+    lines.append("findings:" if data["findings"] else "findings: none")
+    for item in data["findings"]:
+        lines.append(f"  [{item['severity']}] {item['code']}: {item['message']}"
+                     + (f" Fix: {item['fix']}" if item["fix"] else "") + (f" ({item['source']})" if item["source"] else ""))
+    bad = sum(1 for item in data["findings"] if item["severity"] in ("error", "danger"))
+    lines.append(f"verdict: {'OK' if not bad else f'{bad} problem(s) found'}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,57 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--key-head-dim", type=int, default=None,
                         help="your model's GDN key head dim (decides the fla #640 miscompile rule)")
-    parser.add_argument("--table-row", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-
-    import gdn_compat
-    from gdn_compat import _table, hazards
-    from gdn_compat._probe import probe
-
-    facts = probe(init_cuda=True)  # its own process: creating a CUDA context here harms nobody
-    if args.table_row:
-        print(_table.row(facts))
-        return 0
-    plan = gdn_compat.plan(facts)
-    findings = hazards.check(facts, key_head_dim=args.key_head_dim)
-    bad = hazards.failing(findings)
-    if args.json:
-        print(json.dumps({
-            "gdn_compat": gdn_compat.__version__,
-            "facts": facts.as_dict(),
-            "patches": [dataclasses.asdict(r) for r in plan],
-            "findings": [dataclasses.asdict(f) for f in findings],
-            "ok": not bad,
-        }, indent=2, default=str))
-        return 1 if bad else 0
-
-    f = facts
-    lines = [
-        f"gdn_compat {gdn_compat.__version__} doctor",
-        "stack:",
-        f"  python {f.python}   torch {f.torch}   triton {f.triton}   GPU {f.cuda}",
-        f"  megatron-core {f.megatron}   {f.megatron_path or f.megatron_error or ''}",
-        f"  fla {f.fla or 'absent'}   {f.fla_path or f.fla_error or ''}"
-        + (f"   tilelang {f.tilelang}" if f.tilelang else ""),
-        "probes:",
-        f"  GatedDeltaNet              {f.gdn}",
-        f"  GDN packed sequences (THD) {f.gdn_thd}",
-        f"  GDN context parallel       {f.gdn_cp}",
-        f"  GDN unpacked conv          {f.gdn_conv}",
-        f"  MTP _checkpointed_forward  {f.mtp}",
-        f"  fla chunk_gated_delta_rule cu_seqlens={f.fla_rule_cu_seqlens} cu_seqlens_cpu={f.fla_rule_cu_seqlens_cpu}",
-        f"  fla causal_conv1d          cu_seqlens={f.fla_conv_cu_seqlens} cu_seqlens_cpu={f.fla_conv_cu_seqlens_cpu}",
-        "patches (what apply() would do):",
-    ]
-    for rec in plan:
-        verdict = "APPLY" if rec.status == "applied" else "skip "
-        lines.append(f"  {verdict} {rec.name:<17} {rec.target}")
-        lines.append(f"        {rec.reason}")
-    lines.append("findings:" if findings else "findings: none")
-    lines += [f"  {item}" for item in findings]
-    lines.append(f"verdict: {'OK' if not bad else f'{len(bad)} problem(s) found'}")
-    print("\n".join(lines))
-    return 1 if bad else 0
+    args = parser.parse_args(argv)  # argparse exits 2 on a bad argument, as EXIT_USAGE
+    data = doctor(args.key_head_dim)
+    print(json.dumps(data, indent=2, default=str) if args.json else render(data))
+    return int(data["exit"])
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Read-only facts about the installed stack, found by inspection, never by version strings.
 
-``probe()`` never raises: every question it cannot answer becomes ``"unknown: <why>"``.
-Versions are recorded for messages only; no decision in gdn_compat compares them.
+``probe()`` never raises and changes nothing. Every question it cannot answer gets the value
+``UNKNOWN`` and a line in ``Facts.notes`` saying why. Patch decisions read these shapes; versions are
+kept for messages, and only the kernel-stack hazards (``hazards.py``) compare them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import importlib.metadata as md
 import inspect
@@ -17,6 +19,7 @@ from typing import Any
 
 GDN_MODULE = "megatron.core.ssm.gated_delta_net"
 MTP_MODULE = "megatron.core.transformer.multi_token_prediction"
+CONFIG_MODULE = "megatron.core.transformer.transformer_config"
 
 # The 0.16/0.17 GatedDeltaNet.forward parameters; the gdn_thd replacement has exactly these.
 GDN_LEGACY_PARAMS = (
@@ -25,42 +28,127 @@ GDN_LEGACY_PARAMS = (
 )
 
 
+class _Value(str, enum.Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Layout(_Value):
+    ABSENT = "absent"
+    MODULE = "module"  # megatron/core/ssm/gated_delta_net.py (0.16-0.18)
+    PACKAGE = "package"  # megatron/core/ssm/gated_delta_net/ (0.19)
+    UNKNOWN = "unknown"
+
+
+class Thd(_Value):
+    ABSENT = "absent"
+    REFUSES = "refuses"
+    NATIVE = "native"
+    UNKNOWN = "unknown"
+
+
+class Cp(_Value):
+    ABSENT = "absent"
+    NONE = "none"
+    NATIVE = "native"
+    UNKNOWN = "unknown"
+
+
+class Conv(_Value):
+    ABSENT = "absent"
+    CAUSAL_CONV1D = "causal_conv1d package"
+    NN_CONV1D = "nn.Conv1d"
+    FLA = "fla causal_conv1d"
+    UNKNOWN = "unknown"
+
+
+class Mtp(_Value):
+    ABSENT = "absent"
+    GENERIC = "generic"  # (self, forward_func, *args, **kwargs): 0.15-0.17
+    NO_PADDING_MASK = "no_padding_mask"  # 0.18: forward passes padding_mask, the method lacks it
+    HAS_PADDING_MASK = "has_padding_mask"  # 0.19
+    UNKNOWN = "unknown"
+
+
+class Accepts(_Value):
+    YES = "yes"
+    NO = "no"
+    ABSENT = "absent"
+    UNKNOWN = "unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class Dist:
+    """An installed distribution: name, version, where its package lives."""
+
+    name: str
+    version: str
+    path: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.version}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    name: str
+    capability: tuple[int, int]
+
+    def __str__(self) -> str:
+        return f"sm_{self.capability[0]}{self.capability[1]} {self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Varlen:
+    """Which fla entry points take the varlen (packed) arguments gdn_thd hands them."""
+
+    rule: Accepts = Accepts.ABSENT  # chunk_gated_delta_rule(cu_seqlens=)
+    rule_cpu: Accepts = Accepts.ABSENT  # chunk_gated_delta_rule(cu_seqlens_cpu=)
+    conv: Accepts = Accepts.ABSENT  # causal_conv1d(cu_seqlens=)
+    conv_cpu: Accepts = Accepts.ABSENT  # causal_conv1d(cu_seqlens_cpu=)
+
+    @property
+    def usable(self) -> bool:
+        return self.rule is Accepts.YES and self.conv is Accepts.YES
+
+
 @dataclasses.dataclass(frozen=True)
 class Facts:
-    """What ``probe()`` found. Strings ``"unknown: ..."`` carry the reason a probe could not decide."""
+    """What ``probe()`` found. ``notes[field]`` says why a field is ``UNKNOWN`` (or how it was read)."""
 
     python: str
     torch: str | None = None
     triton: str | None = None
-    cuda: str = "unknown: not probed"  # "sm_90 NVIDIA H200", "absent", or "unknown: ..."
-    cuda_capability: tuple[int, int] | None = None
-    megatron: str | None = None  # megatron-core version, for messages only
-    megatron_path: str | None = None
-    megatron_error: str | None = None
-    gdn: str = "absent"  # "module <file>" | "package <dir>" | "absent" | "unknown: ..."
-    gdn_thd: str = "absent"  # "native" | "refuses" | "absent" | "unknown: ..."
-    gdn_legacy_shape: bool = False  # the exact 0.16/0.17 forward and helpers gdn_thd relies on
-    gdn_cp: str = "absent"  # "native" | "none" | "absent" | "unknown: ..."
-    gdn_conv: str = "absent"  # non-THD conv of a legacy GDN: "causal_conv1d package" | "nn.Conv1d"
-    mtp: str = "absent"  # "generic" | "no_padding_mask" | "has_padding_mask" | "absent" | "unknown: ..."
-    fla: str | None = None  # distribution and version, e.g. "fla-core 0.4.2"
-    fla_version: str | None = None
-    fla_path: str | None = None
-    fla_error: str | None = None
-    fla_rule_cu_seqlens: str = "absent"  # "yes" | "no" | "absent" | "unknown: ..."
-    fla_rule_cu_seqlens_cpu: str = "absent"
-    fla_conv_cu_seqlens: str = "absent"
-    fla_conv_cu_seqlens_cpu: str = "absent"
     tilelang: str | None = None  # fla >= 0.5 can use it instead of the miscompiled Triton kernel
+    gpu: Gpu | None = None  # None: no GPU, or not inspected (see notes["gpu"])
+    megatron: Dist | None = None
+    fla: Dist | None = None
+    fla_error: str | None = None  # fla is installed but fails to import
+    fla_varlen: Varlen = Varlen()
+    gdn: Layout = Layout.ABSENT
+    gdn_file: str | None = None
+    gdn_thd: Thd = Thd.ABSENT
+    gdn_legacy_shape: bool = False  # the exact 0.16/0.17 forward and helpers gdn_thd relies on
+    gdn_cp: Cp = Cp.ABSENT
+    gdn_conv: Conv = Conv.ABSENT  # the unpacked conv of this release's GDN
+    gdn_init_cp_comm_type: Accepts = Accepts.ABSENT  # GatedDeltaNet.__init__(cp_comm_type=)
+    config_refuses_gdn_cp: bool = False  # TransformerConfig asserts cp == 1 for gated_delta_net
+    mtp: Mtp = Mtp.ABSENT
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def release(self) -> str:
+        """``megatron-core X`` for messages."""
+        return f"megatron-core {self.megatron.version}" if self.megatron else "megatron-core (not installed)"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _dist_version(*names: str) -> tuple[str, str] | None:
+def _dist(*names: str) -> Dist | None:
     for name in names:
         try:
-            return name, md.version(name)
+            return Dist(name, md.version(name))
         except md.PackageNotFoundError:
             continue
     return None
@@ -71,19 +159,30 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
 
 
-def _params(func: Any) -> dict[str, inspect.Parameter]:
-    return dict(inspect.signature(func).parameters)
-
-
-def _source(func: Any) -> str:
-    return inspect.getsource(func)
-
-
-def _accepts(func: Any, name: str) -> str:
+def accepts(func: Any, name: str) -> Accepts:
+    """Whether ``func``'s signature has a parameter ``name`` (UNKNOWN when it cannot be read)."""
+    if func is None:
+        return Accepts.ABSENT
     try:
-        return "yes" if name in _params(func) else "no"
-    except (TypeError, ValueError) as exc:
-        return f"unknown: {_why(exc)}"
+        return Accepts.YES if name in inspect.signature(func).parameters else Accepts.NO
+    except (TypeError, ValueError):
+        return Accepts.UNKNOWN
+
+
+def _import(name: str, out: dict[str, Any], field: str) -> Any:
+    """The module, or None when it does not exist (field stays ABSENT) or fails (UNKNOWN + note)."""
+    problem: Exception
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and name.startswith(exc.name):
+            return None
+        problem = exc
+    except Exception as exc:  # noqa: BLE001 - a broken import is a finding, not a crash
+        problem = exc
+    out[field] = "unknown"
+    out["notes"][field] = f"importing {name} failed: {_why(problem)}"
+    return None
 
 
 _REFUSES_THD = re.compile(
@@ -92,101 +191,101 @@ _REFUSES_THD = re.compile(
 
 
 def _probe_gdn(out: dict[str, Any]) -> None:
-    try:
-        mod = importlib.import_module(GDN_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name and GDN_MODULE.startswith(exc.name):
-            return  # this release has no GatedDeltaNet
-        out["gdn"] = out["gdn_thd"] = out["gdn_cp"] = f"unknown: importing {GDN_MODULE} failed: {_why(exc)}"
-        return
-    except Exception as exc:  # noqa: BLE001 - a broken import is a finding, not a crash
-        out["gdn"] = out["gdn_thd"] = out["gdn_cp"] = f"unknown: importing {GDN_MODULE} failed: {_why(exc)}"
-        return
+    mod = _import(GDN_MODULE, out, "gdn")
     cls = getattr(mod, "GatedDeltaNet", None)
-    if cls is None:
-        out["gdn"] = out["gdn_thd"] = out["gdn_cp"] = f"unknown: {GDN_MODULE} has no GatedDeltaNet"
+    if mod is None or cls is None:
+        if mod is not None:
+            out["gdn"], out["notes"]["gdn"] = Layout.UNKNOWN, f"{GDN_MODULE} has no GatedDeltaNet"
+        if out.get("gdn") == "unknown":
+            out["gdn_thd"] = out["gdn_cp"] = "unknown"
         return
-    where = getattr(mod, "__file__", "") or ""
-    kind = "package" if where.endswith("__init__.py") else "module"
     defining = sys.modules.get(cls.__module__)
-    out["gdn"] = f"{kind} {getattr(defining, '__file__', where)}"
+    out["gdn"] = Layout.PACKAGE if str(getattr(mod, "__file__", "")).endswith("__init__.py") else Layout.MODULE
+    out["gdn_file"] = getattr(defining, "__file__", None)
+    out["gdn_init_cp_comm_type"] = accepts(cls.__init__, "cp_comm_type")
     try:
-        params = _params(cls.forward)
-        src = _source(cls.forward)
-        cls_src = _source(cls)
+        params = tuple(inspect.signature(cls.forward).parameters)
+        src, cls_src = inspect.getsource(cls.forward), inspect.getsource(cls)
     except (TypeError, OSError, ValueError) as exc:
-        out["gdn_thd"] = out["gdn_cp"] = f"unknown: cannot read GatedDeltaNet.forward: {_why(exc)}"
+        out["gdn_thd"] = out["gdn_cp"] = "unknown"
+        out["notes"]["gdn_thd"] = f"cannot read GatedDeltaNet.forward: {_why(exc)}"
         return
     if "packed_seq_params" not in params:
-        out["gdn_thd"] = "unknown: GatedDeltaNet.forward takes no packed_seq_params"
+        out["gdn_thd"], out["notes"]["gdn_thd"] = Thd.UNKNOWN, "GatedDeltaNet.forward takes no packed_seq_params"
     elif _REFUSES_THD.search(src):
-        out["gdn_thd"] = "refuses"
+        out["gdn_thd"] = Thd.REFUSES
     elif "qkv_format" in src and "cu_seqlens" in src:
-        out["gdn_thd"] = "native"
+        out["gdn_thd"] = Thd.NATIVE
     else:
-        out["gdn_thd"] = "unknown: GatedDeltaNet.forward neither refuses nor handles qkv_format='thd'"
-    out["gdn_cp"] = "native" if re.search(r"pg_collection\.cp\b|cp_size", cls_src) else "none"
+        out["gdn_thd"] = Thd.UNKNOWN
+        out["notes"]["gdn_thd"] = "GatedDeltaNet.forward neither refuses nor handles qkv_format='thd'"
+    out["gdn_cp"] = Cp.NATIVE if re.search(r"pg_collection\.cp\b|cp_size", cls_src) else Cp.NONE
     out["gdn_legacy_shape"] = bool(
-        tuple(params) == GDN_LEGACY_PARAMS
-        and out["gdn_thd"] == "refuses"
+        params == GDN_LEGACY_PARAMS
+        and out["gdn_thd"] is Thd.REFUSES
         and callable(getattr(cls, "_apply_gated_norm", None))
         and callable(getattr(defining, "torch_chunk_gated_delta_rule", None))
         and "l2norm" in vars(defining or object)
     )
     if out["gdn_legacy_shape"]:
         has_pkg = getattr(defining, "causal_conv1d_fn", None) is not None
-        out["gdn_conv"] = "causal_conv1d package" if has_pkg else "nn.Conv1d"
+        out["gdn_conv"] = Conv.CAUSAL_CONV1D if has_pkg else Conv.NN_CONV1D
     else:
-        out["gdn_conv"] = "fla causal_conv1d" if out["gdn_thd"] == "native" else "unknown"
+        out["gdn_conv"] = Conv.FLA if out["gdn_thd"] is Thd.NATIVE else Conv.UNKNOWN
+
+
+def _probe_config(out: dict[str, Any]) -> None:
+    from gdn_compat.patches.config_gdn_cp import refuses_gdn_cp  # the probe that patch relies on
+
+    try:
+        config = importlib.import_module(CONFIG_MODULE).TransformerConfig
+    except Exception as exc:  # noqa: BLE001
+        out["notes"]["config_refuses_gdn_cp"] = f"not read: importing {CONFIG_MODULE} failed: {_why(exc)}"
+        return
+    out["config_refuses_gdn_cp"] = refuses_gdn_cp(config)
 
 
 _PASSES_MASK = re.compile(r"self\._checkpointed_forward\((?:[^()]|\([^()]*\))*padding_mask\s*=", re.S)
 
 
+def _mtp_shape(cls: Any) -> tuple[Mtp, str]:
+    ckpt = dict(inspect.signature(cls._checkpointed_forward).parameters)
+    fwd_src = inspect.getsource(cls.forward)
+    layer = cls.__dict__.get("_proj_and_transformer_layer")
+    layer_params = inspect.signature(layer).parameters if layer else {}
+    if "forward_func" in ckpt:
+        return Mtp.GENERIC, ""
+    if "padding_mask" in ckpt:
+        return Mtp.HAS_PADDING_MASK, ""
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ckpt.values()):
+        return Mtp.UNKNOWN, "_checkpointed_forward takes **kwargs"
+    if not _PASSES_MASK.search(fwd_src):
+        return Mtp.UNKNOWN, "forward does not pass padding_mask to _checkpointed_forward"
+    if "padding_mask" not in layer_params:
+        return Mtp.UNKNOWN, "_proj_and_transformer_layer takes no padding_mask"
+    return Mtp.NO_PADDING_MASK, ""
+
+
 def _probe_mtp(out: dict[str, Any]) -> None:
-    try:
-        mod = importlib.import_module(MTP_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name and MTP_MODULE.startswith(exc.name):
-            return
-        out["mtp"] = f"unknown: importing {MTP_MODULE} failed: {_why(exc)}"
-        return
-    except Exception as exc:  # noqa: BLE001
-        out["mtp"] = f"unknown: importing {MTP_MODULE} failed: {_why(exc)}"
+    mod = _import(MTP_MODULE, out, "mtp")
+    if mod is None:
         return
     cls = getattr(mod, "MultiTokenPredictionLayer", None)
-    if cls is None or not hasattr(cls, "_checkpointed_forward"):
-        out["mtp"] = "unknown: MultiTokenPredictionLayer._checkpointed_forward not found"
-        return
     try:
-        ckpt = _params(cls._checkpointed_forward)
-        fwd_src = _source(cls.forward)
-        layer = _params(cls._proj_and_transformer_layer) if hasattr(cls, "_proj_and_transformer_layer") else {}
-    except (TypeError, OSError, ValueError) as exc:
-        out["mtp"] = f"unknown: cannot read MultiTokenPredictionLayer: {_why(exc)}"
-        return
-    if "forward_func" in ckpt:
-        out["mtp"] = "generic"
-    elif "padding_mask" in ckpt:
-        out["mtp"] = "has_padding_mask"
-    elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ckpt.values()):
-        out["mtp"] = "unknown: _checkpointed_forward takes **kwargs"
-    elif not _PASSES_MASK.search(fwd_src):
-        out["mtp"] = "unknown: forward does not pass padding_mask to _checkpointed_forward"
-    elif "padding_mask" not in layer:
-        out["mtp"] = "unknown: _proj_and_transformer_layer takes no padding_mask"
-    else:
-        out["mtp"] = "no_padding_mask"
+        if cls is None or not hasattr(cls, "_checkpointed_forward"):
+            raise LookupError("MultiTokenPredictionLayer._checkpointed_forward not found")
+        out["mtp"], note = _mtp_shape(cls)
+    except (LookupError, TypeError, OSError, ValueError) as exc:
+        out["mtp"], note = Mtp.UNKNOWN, f"cannot read MultiTokenPredictionLayer: {_why(exc)}"
+    if note:
+        out["notes"]["mtp"] = note
 
 
 def _probe_fla(out: dict[str, Any]) -> None:
-    found = _dist_version("fla-core", "flash-linear-attention")
-    if found:
-        out["fla"] = f"{found[0]} {found[1]}"
-        out["fla_version"] = found[1]
+    out["fla"] = _dist("fla-core", "flash-linear-attention")
     try:
-        rule_mod = importlib.import_module("fla.ops.gated_delta_rule")
-        conv_mod = importlib.import_module("fla.modules.convolution")
+        rule = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+        conv = importlib.import_module("fla.modules.convolution").causal_conv1d
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == "fla":
             return
@@ -194,74 +293,66 @@ def _probe_fla(out: dict[str, Any]) -> None:
     except Exception as exc:  # noqa: BLE001 - e.g. fla 0.4.x with Triton >= 3.7 raises ValueError
         out["fla_error"] = _why(exc)
     else:
-        out["fla_path"] = getattr(sys.modules.get("fla"), "__file__", None)
-        rule = getattr(rule_mod, "chunk_gated_delta_rule", None)
-        conv = getattr(conv_mod, "causal_conv1d", None)
-        for key, func, arg in (
-            ("fla_rule_cu_seqlens", rule, "cu_seqlens"),
-            ("fla_rule_cu_seqlens_cpu", rule, "cu_seqlens_cpu"),
-            ("fla_conv_cu_seqlens", conv, "cu_seqlens"),
-            ("fla_conv_cu_seqlens_cpu", conv, "cu_seqlens_cpu"),
-        ):
-            out[key] = _accepts(func, arg) if func is not None else "absent"
+        if out["fla"] is not None:
+            out["fla"] = dataclasses.replace(out["fla"], path=getattr(sys.modules.get("fla"), "__file__", None))
+        out["fla_varlen"] = Varlen(rule=accepts(rule, "cu_seqlens"), rule_cpu=accepts(rule, "cu_seqlens_cpu"),
+                                   conv=accepts(conv, "cu_seqlens"), conv_cpu=accepts(conv, "cu_seqlens_cpu"))
         return
-    for key in ("fla_rule_cu_seqlens", "fla_rule_cu_seqlens_cpu", "fla_conv_cu_seqlens", "fla_conv_cu_seqlens_cpu"):
-        out[key] = f"unknown: fla failed to import ({out['fla_error']})"
+    unknown = Accepts.UNKNOWN
+    out["fla_varlen"] = Varlen(unknown, unknown, unknown, unknown)
+    out["notes"]["fla_varlen"] = f"fla failed to import ({out['fla_error']})"
 
 
-def _probe_cuda(out: dict[str, Any], torch: Any, init_cuda: bool) -> None:
+def _probe_gpu(out: dict[str, Any], torch: Any, init_cuda: bool) -> None:
     try:
         if not torch.cuda.is_available():
-            out["cuda"] = "absent"
-            return
-        if not (init_cuda or torch.cuda.is_initialized()):
+            out["notes"]["gpu"] = "no CUDA device"
+        elif not (init_cuda or torch.cuda.is_initialized()):
             # Asking for the capability creates a CUDA context; before the user picked a device
             # that context would land on GPU 0 for every rank. The doctor asks in its own process.
-            out["cuda"] = "unknown: CUDA not initialised yet (run `python -m gdn_compat` on the GPU node)"
-            return
-        major, minor = torch.cuda.get_device_capability()
-        out["cuda_capability"] = (major, minor)
-        out["cuda"] = f"sm_{major}{minor} {torch.cuda.get_device_name()}"
+            out["notes"]["gpu"] = "not inspected: CUDA not initialised yet (run `python -m gdn_compat` on the GPU node)"
+        else:
+            out["gpu"] = Gpu(torch.cuda.get_device_name(), tuple(torch.cuda.get_device_capability()))
     except Exception as exc:  # noqa: BLE001
-        out["cuda"] = f"unknown: {_why(exc)}"
+        out["notes"]["gpu"] = f"not inspected: {_why(exc)}"
 
 
 def probe(*, init_cuda: bool = False) -> Facts:
-    """Inspect the installed stack. Imports megatron-core and fla modules; changes nothing."""
-    out: dict[str, Any] = {"python": platform.python_version()}
-    torch: Any = None
+    """Inspect the installed stack now. Imports megatron-core and fla modules; changes nothing."""
+    out: dict[str, Any] = {"python": platform.python_version(), "notes": {}}
+    for key, names in (("triton", ("triton", "pytorch-triton")), ("tilelang", ("tilelang",))):
+        found = _dist(*names)
+        out[key] = found.version if found else None
     try:
         import torch
-
-        out["torch"] = torch.__version__
-        _probe_cuda(out, torch, init_cuda)
     except Exception as exc:  # noqa: BLE001
-        out["cuda"] = f"unknown: torch failed to import ({_why(exc)})"
-        torch = None
-    triton = _dist_version("triton", "pytorch-triton")
-    out["triton"] = triton[1] if triton else None
-    tilelang = _dist_version("tilelang")
-    out["tilelang"] = tilelang[1] if tilelang else None
-    mc = _dist_version("megatron-core", "megatron_core")
-    out["megatron"] = mc[1] if mc else None
-    if torch is not None:
-        try:
-            import megatron.core as mcore
+        out["notes"]["torch"] = f"torch failed to import ({_why(exc)})"
+        return _facts(out)
+    out["torch"] = torch.__version__
+    _probe_gpu(out, torch, init_cuda)
+    _probe_fla(out)
+    out["megatron"] = _dist("megatron-core", "megatron_core")
+    try:
+        import megatron.core as mcore
+    except ModuleNotFoundError:
+        return _facts(out)
+    except Exception as exc:  # noqa: BLE001
+        for field in ("gdn", "gdn_thd", "gdn_cp", "mtp"):
+            out[field] = "unknown"
+            out["notes"][field] = f"megatron.core failed to import: {_why(exc)}"
+        return _facts(out)
+    path = str(mcore.__file__).rsplit("/", 1)[0]
+    out["megatron"] = dataclasses.replace(out["megatron"] or Dist("megatron-core", "unknown"), path=path)
+    _probe_gdn(out)
+    _probe_config(out)
+    _probe_mtp(out)
+    return _facts(out)
 
-            out["megatron_path"] = str(mcore.__file__).rsplit("/", 1)[0]
-            if out["megatron"] is None:
-                out["megatron"] = getattr(mcore, "__version__", None)
-        except ModuleNotFoundError:
-            pass
-        except Exception as exc:  # noqa: BLE001
-            out["megatron_error"] = _why(exc)
-        if out.get("megatron_path"):
-            _probe_fla(out)
-            _probe_gdn(out)
-            _probe_mtp(out)
-        elif out["megatron"] is not None:
-            why = out.get("megatron_error") or "not importable"
-            out["gdn"] = out["gdn_thd"] = out["gdn_cp"] = out["mtp"] = f"unknown: megatron.core {why}"
-        else:
-            _probe_fla(out)
+
+def _facts(out: dict[str, Any]) -> Facts:
+    enums = {"gdn": Layout, "gdn_thd": Thd, "gdn_cp": Cp, "gdn_conv": Conv, "mtp": Mtp,
+             "gdn_init_cp_comm_type": Accepts}
+    for field, kind in enums.items():
+        if field in out:
+            out[field] = kind(out[field])
     return Facts(**out)

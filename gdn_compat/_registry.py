@@ -1,14 +1,17 @@
-"""The patch machinery: specs, one registry of originals, apply/revert/report.
+"""The patch machinery: specs, one decision function, one registry of what was replaced.
 
-Modelled on gevent's ``saved`` table (the first original wins), pytest's MonkeyPatch undo stack
-(``__dict__`` lookups, NOTSET for inherited attributes, reverse undo) and Liger-Kernel's markers.
+Modelled on pytest's MonkeyPatch undo stack (``__dict__`` lookups, NOTSET for inherited attributes,
+reverse undo), gevent's one saved original per target, and Liger-Kernel's markers. A target is named
+once, in its ``Patch``; the registry resolves it, hands the current object to ``build``, and installs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -17,7 +20,7 @@ from gdn_compat._probe import Facts
 
 log = logging.getLogger("gdn_compat")
 
-Status = Literal["applied", "skipped", "failed", "reverted"]
+Status = Literal["applied", "would_apply", "skipped", "failed", "reverted", "left_in_place"]
 MARKER = "__gdn_compat_patch__"
 ENV_DISABLE = "GDN_COMPAT_DISABLE"
 
@@ -31,15 +34,36 @@ NOTSET: Any = _NotSet()
 
 
 @dataclasses.dataclass(frozen=True)
+class Target:
+    """``module.Owner.attr``: the class attribute a patch replaces."""
+
+    module: str
+    owner: str
+    attr: str
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.owner}.{self.attr}"
+
+    def resolve(self) -> tuple[Any, Any]:
+        """(owner class, the object in its ``__dict__`` now, or NOTSET)."""
+        owner: Any = importlib.import_module(self.module)
+        for part in self.owner.split("."):
+            owner = getattr(owner, part)
+        return owner, owner.__dict__.get(self.attr, NOTSET)
+
+
+@dataclasses.dataclass(frozen=True)
 class Patch:
-    """One patch: ``decide(facts)`` returns None when needed, else the reason to skip;
-    ``build()`` returns ``[(owner, attribute, replacement), ...]`` (replacements get marked)."""
+    """One patch. ``decide(facts)`` returns None when this release needs it, else the reason to
+    skip; ``build(facts, original)`` returns the replacement for ``target``'s current object.
+    ``requires`` names patches that must be applied first (else this one is skipped)."""
 
     name: str
-    target: str
+    target: Target
     decide: Callable[[Facts], str | None]
-    build: Callable[[], list[tuple[Any, str, Any]]]
-    summary: str = ""
+    build: Callable[[Facts, Any], Any]
+    summary: str
+    requires: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +79,7 @@ class Record:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """What ``apply()``/``report()`` return: one record per patch, the hazards, the facts."""
+    """What ``apply()``/``revert()``/``report()`` return: one record per patch, the hazards, the facts."""
 
     records: tuple[Record, ...]
     findings: tuple[Any, ...] = ()
@@ -75,27 +99,139 @@ class Report:
         return tuple(r.name for r in self.records if r.status == "applied")
 
 
+def describe(obj: Any) -> str:
+    func = getattr(obj, "__func__", obj)
+    code = getattr(func, "__code__", None)
+    where = f" from {code.co_filename}:{code.co_firstlineno}" if code else ""
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(obj).__name__)}{where}"
+
+
+def foreign(owner: Any, attr: str, obj: Any) -> str | None:
+    """None when ``obj`` is the release's own definition of ``owner.attr`` (its qualname, its code
+    object's name and file are those of the module that defines ``owner``), else what is there."""
+    if obj is NOTSET:  # inherited: the release's own is the base class's definition
+        base = next((c for c in owner.__mro__[1:] if attr in c.__dict__), None)
+        return foreign(base, attr, base.__dict__[attr]) if base else f"{owner.__qualname__} has no {attr}"
+    if getattr(obj, MARKER, None):
+        return f"{owner.__qualname__}.{attr} already carries another gdn_compat's {getattr(obj, MARKER)} replacement"
+    func = getattr(obj, "__func__", obj)
+    code = getattr(func, "__code__", None)
+    home = getattr(sys.modules.get(owner.__module__), "__file__", None)
+    if (code is not None and home is not None and code.co_filename == home and code.co_name == attr
+            and getattr(func, "__qualname__", None) == f"{owner.__qualname__}.{attr}"):
+        return None
+    return f"{owner.__qualname__}.{attr} is no longer the release's own: {describe(obj)}"
+
+
+def switches_from(names: tuple[str, ...], switches: dict[str, bool]) -> dict[str, str]:
+    """Keyword switches merged with ``GDN_COMPAT_DISABLE``: name -> why it is off (absent when on).
+    Unknown names and non-bool values are errors naming them."""
+    unknown = sorted(set(switches) - set(names))
+    if unknown:
+        raise TypeError(f"apply() got unknown patch switch(es) {unknown}; known patches: {list(names)}")
+    off = {}
+    for key, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"apply({key}=...) expects True or False, got {value!r}")
+        if not value:
+            off[key] = f"disabled by apply({key}=False)"
+    raw = os.environ.get(ENV_DISABLE, "")
+    listed = [part.strip() for part in raw.split(",") if part.strip()]
+    bad = sorted(set(listed) - set(names))
+    if bad:
+        raise ValueError(f"{ENV_DISABLE}={raw!r} names unknown patch(es) {bad}; known patches: {list(names)}")
+    off.update({name: f"disabled by {ENV_DISABLE}={raw}" for name in listed})
+    return off
+
+
 class Registry:
-    """Originals (first saved wins), an undo stack, and the latest record per patch."""
+    """The undo stack of installed replacements and the latest record per patch."""
 
     def __init__(self, patches: tuple[Patch, ...]):
         self.patches = patches
         self.lock = threading.RLock()
-        self.undo: list[tuple[str, Any, str, Any]] = []  # (patch name, owner, attribute, old)
-        self.originals: dict[tuple[int, str], Any] = {}
+        self.undo: list[tuple[Patch, Any, Any, Any]] = []  # (patch, owner, old, new)
         self.records: dict[str, Record] = {}
         self._logged: set[tuple[str, str, str]] = set()
 
-    # -- queries -------------------------------------------------------------------------
     def is_applied(self, name: str) -> bool:
-        return any(entry[0] == name for entry in self.undo)
+        return any(entry[0].name == name for entry in self.undo)
 
-    def original(self, owner: Any, attr: str) -> Any:
-        """The object gdn_compat replaced (or the current one when it replaced nothing)."""
-        return self.originals.get((id(owner), attr), owner.__dict__.get(attr, NOTSET))
+    def decide(self, facts: Facts, off: dict[str, str], force: frozenset[str] = frozenset()) -> list[Record]:
+        """What ``apply()`` would do now, for every patch in order: the one place a decision is made.
+        Statuses: ``applied`` (already), ``skipped`` (with the reason), ``would_apply``."""
+        out: dict[str, Record] = {}
+        for patch in self.patches:
+            out[patch.name] = self._decide_one(patch, facts, off, force, out)
+        return list(out.values())
 
-    # -- actions -------------------------------------------------------------------------
-    def _record(self, rec: Record, level: int = logging.INFO) -> Record:
+    def _decide_one(self, patch: Patch, facts: Facts, off: dict[str, str], force: frozenset[str],
+                    earlier: dict[str, Record]) -> Record:
+        def record(status: Status, reason: str) -> Record:
+            return Record(patch.name, str(patch.target), status, reason)
+
+        if self.is_applied(patch.name):
+            return record("applied", "already applied")
+        if patch.name in off:
+            return record("skipped", off[patch.name])
+        for need in patch.requires:
+            dep = earlier.get(need)
+            if dep is None or dep.status not in ("applied", "would_apply"):
+                return record("skipped", f"needs {need}, which is {dep.status if dep else 'unknown'}"
+                                         + (f" ({dep.reason})" if dep else ""))
+        try:
+            owner, current = patch.target.resolve()
+        except Exception as exc:  # noqa: BLE001 - a missing symbol is a skip, never a crash
+            return record("skipped", patch.decide(facts)
+                          or f"not patched: cannot resolve {patch.target}: {type(exc).__name__}: {exc}")
+        # Someone else's object first: the probed facts describe it, not the release.
+        other = foreign(owner, patch.target.attr, current)
+        if other and patch.name not in force:
+            return record("skipped", f"not patched: {other}; apply(force=[{patch.name!r}]) replaces it anyway")
+        reason = patch.decide(facts)
+        if reason is not None:
+            return record("skipped", reason)
+        return record("would_apply", patch.summary + (f" (forced over {describe(current)})" if other else ""))
+
+    def apply(self, facts: Facts, off: dict[str, str], force: frozenset[str] = frozenset()) -> list[Record]:
+        with self.lock:
+            out = []
+            for rec in self.decide(facts, off, force):
+                if rec.status == "would_apply":
+                    rec = self._install(next(p for p in self.patches if p.name == rec.name), facts, rec)
+                out.append(self._record(rec, logging.ERROR if rec.status == "failed" else logging.INFO))
+            return out
+
+    def _install(self, patch: Patch, facts: Facts, planned: Record) -> Record:
+        owner, old = patch.target.resolve()
+        try:  # the one setattr on the owner comes last: a failure before it changes nothing
+            new = patch.build(facts, old)
+            setattr(new, MARKER, patch.name)
+            setattr(owner, patch.target.attr, new)
+        except Exception as exc:  # noqa: BLE001 - one broken patch never stops the others
+            return dataclasses.replace(planned, status="failed",
+                                       reason=f"{type(exc).__name__}: {exc}; target left unchanged")
+        self.undo.append((patch, owner, old, new))
+        return dataclasses.replace(planned, status="applied")
+
+    def revert(self, to: int = 0) -> list[Record]:
+        """Undo newest first down to ``to``; a replacement someone else replaced since is left alone."""
+        with self.lock:
+            out: list[Record] = []
+            while len(self.undo) > to:
+                patch, owner, old, new = self.undo.pop()
+                attr, name, target = patch.target.attr, patch.name, str(patch.target)
+                now = owner.__dict__.get(attr, NOTSET)
+                if now is new:
+                    _restore(owner, attr, old)
+                    rec = Record(name, target, "reverted", "original restored")
+                else:
+                    rec = Record(name, target, "left_in_place", f"replaced after apply by {describe(now)}; "
+                                 f"gdn_compat's replacement stays underneath it")
+                out.append(self._record(rec, logging.INFO if now is new else logging.WARNING))
+            return out
+
+    def _record(self, rec: Record, level: int) -> Record:
         self.records[rec.name] = rec
         key = (rec.name, rec.status, rec.reason)
         if key not in self._logged:  # one line per decision per process
@@ -103,90 +239,9 @@ class Registry:
             log.log(level, "%s %s %s: %s", rec.name, rec.status, rec.target, rec.reason)
         return rec
 
-    def _install(self, patch: Patch) -> str:
-        pushed = 0
-        try:
-            for owner, attr, new in patch.build():
-                old = owner.__dict__.get(attr, NOTSET)
-                if getattr(old, MARKER, None) == patch.name:
-                    raise RuntimeError(f"{owner.__qualname__}.{attr} already carries a gdn_compat "
-                                       f"replacement from another copy of gdn_compat")
-                setattr(new, MARKER, patch.name)
-                setattr(owner, attr, new)
-                self.originals.setdefault((id(owner), attr), old)
-                self.undo.append((patch.name, owner, attr, old))
-                pushed += 1
-        except BaseException:
-            for _ in range(pushed):  # never leave a half-applied class behind
-                _, owner, attr, old = self.undo.pop()
-                _restore(owner, attr, old)
-            raise
-        return "replaced"
-
-    def apply(self, facts: Facts, enabled: dict[str, str | None]) -> list[Record]:
-        with self.lock:
-            out = []
-            for patch in self.patches:
-                if self.is_applied(patch.name):
-                    out.append(self._record(Record(patch.name, patch.target, "applied", "already applied")))
-                    continue
-                if enabled.get(patch.name):
-                    out.append(self._record(Record(patch.name, patch.target, "skipped", str(enabled[patch.name]))))
-                    continue
-                why = patch.decide(facts)
-                if why is not None:
-                    out.append(self._record(Record(patch.name, patch.target, "skipped", why)))
-                    continue
-                try:
-                    self._install(patch)
-                except Exception as exc:  # noqa: BLE001 - one broken patch never stops the others
-                    out.append(self._record(Record(patch.name, patch.target, "failed",
-                                                   f"{type(exc).__name__}: {exc}; target left unchanged"),
-                                            logging.ERROR))
-                    continue
-                out.append(self._record(Record(patch.name, patch.target, "applied", patch.summary)))
-            return out
-
-    def revert(self, to: int = 0) -> list[Record]:
-        with self.lock:
-            names: list[str] = []
-            while len(self.undo) > to:
-                name, owner, attr, old = self.undo.pop()
-                _restore(owner, attr, old)
-                self.originals.pop((id(owner), attr), None)
-                if name not in names:
-                    names.append(name)
-            out = []
-            for name in names:
-                target = self.records[name].target if name in self.records else name
-                out.append(self._record(Record(name, target, "reverted", "original restored")))
-            return out
-
 
 def _restore(owner: Any, attr: str, old: Any) -> None:
     if old is NOTSET:
         delattr(owner, attr)  # it was inherited: deleting brings the base's back
     else:
         setattr(owner, attr, old)
-
-
-def enabled_from(names: tuple[str, ...], switches: dict[str, bool]) -> dict[str, str | None]:
-    """Merge keyword switches with ``GDN_COMPAT_DISABLE``: name -> None when enabled, else why not.
-    Unknown names are errors."""
-    unknown = sorted(set(switches) - set(names))
-    if unknown:
-        raise TypeError(f"apply() got unknown patch switch(es) {unknown}; known patches: {list(names)}")
-    for key, value in switches.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"apply({key}=...) expects True or False, got {value!r}")
-    enabled: dict[str, str | None] = {
-        name: None if switches.get(name, True) else f"disabled by apply({name}=False)" for name in names
-    }
-    raw = os.environ.get(ENV_DISABLE, "")
-    listed = [part.strip() for part in raw.split(",") if part.strip()]
-    bad = sorted(set(listed) - set(names))
-    if bad:
-        raise ValueError(f"{ENV_DISABLE}={raw!r} names unknown patch(es) {bad}; known patches: {list(names)}")
-    for name in listed:
-        enabled[name] = f"disabled by {ENV_DISABLE}={raw}"
-    return enabled

@@ -1,34 +1,20 @@
-"""Shared fixtures: megatron-core on CPU (design.md section 7) and the release under test."""
+"""Shared fixtures: megatron-core on this machine (CPU stand-ins and gloo, or a GPU), undone at the end."""
 
 from __future__ import annotations
 
-import importlib.metadata as md
-
 import pytest
 
-
-def megatron_version() -> str | None:
-    try:
-        return md.version("megatron-core")
-    except md.PackageNotFoundError:
-        return None
-
-
-MEGATRON = megatron_version()
+from tests.support.release import MEGATRON
 
 
 @pytest.fixture(scope="session")
 def megatron_cpu():
-    """megatron-core ready on this machine: "cuda" on a GPU machine, else "cpu" (see gdn_compat.testing)."""
+    """megatron-core ready on this machine: "cuda" on a GPU machine, else "cpu" (see tests.support.megatron)."""
     if MEGATRON is None:
         pytest.skip("megatron-core is not installed")
     import torch
 
-    from gdn_compat.testing import init_megatron_cpu, init_megatron_cuda
+    from tests.support.megatron import world
 
-    if torch.cuda.is_available():
-        init_megatron_cuda()
-        yield "cuda"
-    else:
-        init_megatron_cpu()
-        yield "cpu"
+    with world(cuda=torch.cuda.is_available()) as device:
+        yield device

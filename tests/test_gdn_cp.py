@@ -16,12 +16,10 @@ import pytest
 import torch
 
 import gdn_compat
-from gdn_compat.patches import gdn_thd
-from tests.conftest import MEGATRON
-from tests.gdn_helpers import build_gdn, l2norm_ref, packed, shard
+from tests.support.gdn import build_gdn, l2norm_ref, packed, shard
+from tests.support.release import skip_reason
 
-NEEDED = gdn_thd.decide(gdn_compat.facts) is None
-pytestmark = pytest.mark.skipif(not NEEDED, reason=f"gdn_thd not needed on megatron-core {MEGATRON}")
+pytestmark = pytest.mark.skipif(skip_reason("gdn_thd") is not None, reason=str(skip_reason("gdn_thd")))
 SHAPE = dict(hidden=32, dk=8, dv=8, hk=4, hv=8)  # GQA, heads divisible by cp = 4
 BSHD = (16, 2)  # sequence length, batch
 THD_ACTUAL, THD_PADDED = [0, 5, 20, 27], [0, 8, 24, 32]  # padded lengths 8, 16, 8: divisible by 2 x 4
@@ -84,31 +82,27 @@ def check_cp(m, ref, rank: int, cp: int, group, device: str) -> None:
 
 def worker(rank: int, world: int, port: int, path: str) -> None:
     import torch.distributed as dist
-
-    from gdn_compat.testing import init_megatron_cpu, init_megatron_cuda
-
-    cuda = torch.cuda.device_count() >= world
-    (init_megatron_cuda if cuda else init_megatron_cpu)(rank, world, world, port)
-    device = "cuda" if cuda else "cpu"
-    gdn_compat.apply()
-    ref = torch.load(path)
-    m = build_gdn(device=device, deterministic=True, **SHAPE)
-    m.load_state_dict(ref["state"])
     from megatron.core import parallel_state
 
-    pairs = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]  # every rank creates every group
-    check_cp(m, ref, rank % 2, 2, pairs[rank // 2], device)
-    if world == 4:
-        check_cp(m, ref, rank, 4, parallel_state.get_context_parallel_group(), device)
-    dist.barrier()
-    dist.destroy_process_group()
+    from tests.support.megatron import world as megatron_world
+
+    cuda = torch.cuda.device_count() >= world
+    with megatron_world(rank, world, cp=world, port=port, cuda=cuda) as device, gdn_compat.applied():
+        ref = torch.load(path)
+        m = build_gdn(device=device, deterministic=True, **SHAPE)
+        m.load_state_dict(ref["state"])
+        pairs = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]  # every rank creates every group
+        check_cp(m, ref, rank % 2, 2, pairs[rank // 2], device)
+        if world == 4:
+            check_cp(m, ref, rank, 4, parallel_state.get_context_parallel_group(), device)
+        dist.barrier()
 
 
 def test_context_parallel_2_and_4_ranks_equal_cp1_bshd_and_thd(megatron_cpu, monkeypatch):
     import megatron.core.ssm.gated_delta_net as release
     import torch.multiprocessing as mp
 
-    from gdn_compat.testing import _free_port
+    from tests.support.megatron import free_port
 
     monkeypatch.setattr(release, "l2norm", l2norm_ref)  # the cp = 1 BSHD reference is the release's code
     world = world_size()
@@ -116,7 +110,7 @@ def test_context_parallel_2_and_4_ranks_equal_cp1_bshd_and_thd(megatron_cpu, mon
         path = os.path.join(tmp, "ref.pt")
         reference(path, megatron_cpu)
         started = time.perf_counter()
-        mp.spawn(worker, args=(world, _free_port(), path), nprocs=world, join=True)
+        mp.spawn(worker, args=(world, free_port(), path), nprocs=world, join=True)
         print(f"\n[cp] {world} ranks (cp=2 pairs{' and cp=4' if world == 4 else ''}): "
               f"{time.perf_counter() - started:.1f} s")
 

@@ -7,12 +7,10 @@ import torch
 
 import gdn_compat
 from gdn_compat.patches import gdn_thd
-from tests.conftest import MEGATRON
-from tests.gdn_helpers import build_gdn, l2norm_ref, offsets, packed, reference_gdn
+from tests.support.gdn import build_gdn, l2norm_ref, offsets, packed, reference_gdn
+from tests.support.release import skip_reason
 
-NEEDED = gdn_thd.decide(gdn_compat.facts) is None
-pytestmark = pytest.mark.skipif(not NEEDED, reason=f"gdn_thd not needed on megatron-core {MEGATRON}: "
-                                                   f"{gdn_thd.decide(gdn_compat.facts)}")
+pytestmark = pytest.mark.skipif(skip_reason("gdn_thd") is not None, reason=str(skip_reason("gdn_thd")))
 
 # a length-1 sequence, lengths that are not multiples of 64, a chunk-sized one, many short ones
 LENGTHS = [1, 70, 5, 64, 130, 2, 3, 1, 4, 2, 3, 5, 1, 2]
@@ -143,6 +141,20 @@ def test_unpacked_formats_run_the_release_code_bitwise(patched, fmt):
     ref, _ = m(x, None, packed_seq_params=None)
     out, _ = m(x, None, packed_seq_params=packed([0, 12], fmt=fmt))
     assert torch.equal(out, ref)
+
+
+def test_fla_without_varlen_kernels_is_skipped_at_apply_with_the_reason(monkeypatch):
+    import dataclasses
+
+    from gdn_compat._probe import Accepts
+
+    real = gdn_compat.probe()
+    no_varlen = dataclasses.replace(real, fla_varlen=dataclasses.replace(real.fla_varlen, rule=Accepts.NO))
+    monkeypatch.setattr(gdn_compat, "probe", lambda **kw: no_varlen)
+    with gdn_compat.applied() as report:
+        assert report["gdn_thd"].status == "skipped"
+        assert "chunk_gated_delta_rule cu_seqlens=no" in report["gdn_thd"].reason
+        assert report["config_gdn_cp"].status == "skipped"  # its CP would come from gdn_thd
 
 
 def test_unpatched_release_refuses_and_revert_restores_it(megatron_cpu):

@@ -6,18 +6,18 @@ import dataclasses
 
 import pytest
 
-from gdn_compat._probe import Facts
+from gdn_compat._probe import Accepts, Conv, Dist, Facts, Gpu, Layout, Mtp, Thd, Varlen
 from gdn_compat.hazards import check, failing
 
-HOPPER = dict(cuda="sm_90 NVIDIA H200", cuda_capability=(9, 0))
-GDN = dict(megatron="0.17.1", gdn="module /x/gated_delta_net.py", gdn_thd="refuses", gdn_legacy_shape=True,
-           gdn_cp="none", gdn_conv="nn.Conv1d", mtp="generic",
-           fla_rule_cu_seqlens="yes", fla_conv_cu_seqlens="yes")
+HOPPER = dict(gpu=Gpu("NVIDIA H200", (9, 0)))
+VARLEN = Varlen(Accepts.YES, Accepts.YES, Accepts.YES, Accepts.YES)
+GDN = dict(megatron=Dist("megatron-core", "0.17.1"), gdn=Layout.MODULE, gdn_thd=Thd.REFUSES, gdn_legacy_shape=True,
+           gdn_conv=Conv.NN_CONV1D, mtp=Mtp.GENERIC, fla_varlen=VARLEN)
 
 
 def facts(triton="3.6.0", fla="0.4.2", gpu=HOPPER, **kw):
-    base = dict(python="3.12", torch="2.11.0", triton=triton, fla=f"fla-core {fla}" if fla else None,
-                fla_version=fla, **GDN, **gpu)
+    base = dict(python="3.12", torch="2.11.0", triton=triton, fla=Dist("fla-core", fla) if fla else None,
+                **GDN, **gpu)
     base.update(kw)
     return Facts(**base)
 
@@ -37,7 +37,7 @@ def test_hopper_triton_range_and_fla_version(triton, bad, fla, sev):
 
 @pytest.mark.parametrize("cap", [(8, 0), (10, 0)])
 def test_other_architectures_are_not_flagged(cap):
-    found = codes(facts(fla="0.6.0", gpu=dict(cuda=f"sm_{cap[0]}{cap[1]} X", cuda_capability=cap)))
+    found = codes(facts(fla="0.6.0", gpu=dict(gpu=Gpu("X", cap))))
     assert not {"fla-640-crash", "fla-640-miscompile", "fla-640-unchecked"} & set(found)
 
 
@@ -51,14 +51,14 @@ def test_tilelang_avoids_the_crash():
 
 
 def test_unknown_gpu_gets_a_hint_not_a_verdict():
-    found = codes(facts(gpu=dict(cuda="unknown: CUDA not initialised yet", cuda_capability=None)))
+    found = codes(facts(gpu=dict(gpu=None, notes={"gpu": "not inspected: CUDA not initialised yet"})))
     assert found.get("fla-640-unchecked") == "info"
-    assert not failing(check(facts(gpu=dict(cuda="absent", cuda_capability=None))))
+    assert not failing(check(facts(gpu=dict(gpu=None, notes={"gpu": "no CUDA device"}))))
 
 
 def test_fla_missing_with_gdn_is_an_error_and_without_gdn_is_not():
     assert codes(facts(fla=None))["fla-missing"] == "error"
-    assert "fla-missing" not in codes(facts(fla=None, gdn="absent", gdn_thd="absent", gdn_legacy_shape=False))
+    assert "fla-missing" not in codes(facts(fla=None, gdn=Layout.ABSENT, gdn_thd=Thd.ABSENT, gdn_legacy_shape=False))
 
 
 def test_fla_that_fails_to_import_is_an_error_naming_the_reason():
@@ -68,7 +68,7 @@ def test_fla_that_fails_to_import_is_an_error_naming_the_reason():
 
 
 def test_fla_without_varlen_is_an_error():
-    assert codes(facts(fla_rule_cu_seqlens="no"))["fla-no-varlen"] == "error"
+    assert codes(facts(fla_varlen=dataclasses.replace(VARLEN, rule=Accepts.NO)))["fla-no-varlen"] == "error"
 
 
 def test_conv_path_is_reported_for_legacy_gdn():
@@ -78,7 +78,7 @@ def test_conv_path_is_reported_for_legacy_gdn():
 
 
 def test_unknown_shapes_are_warnings():
-    assert codes(facts(mtp="unknown: _checkpointed_forward takes **kwargs"))["unknown-shape"] == "warning"
+    assert codes(facts(mtp=Mtp.UNKNOWN, notes={"mtp": "_checkpointed_forward takes **kwargs"}))["unknown-shape"] == "warning"
 
 
 def test_findings_carry_source_and_fix():

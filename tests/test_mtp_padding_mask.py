@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import gdn_compat
-from gdn_compat.patches import mtp_padding_mask
-from tests.conftest import MEGATRON
-from tests.mtp_helpers import batch, build_gpt, loss_and_grads
+from tests.support.mtp import batch, build_gpt, loss_and_grads
+from tests.support.release import FACTS, MEGATRON, skip_reason
 
-NEEDED = mtp_padding_mask.decide(gdn_compat.facts) is None
+NEEDED = skip_reason("mtp_padding_mask") is None
 
 
 def _gpt_takes_padding_mask() -> bool:
@@ -25,7 +24,7 @@ def _gpt_takes_padding_mask() -> bool:
 
 @pytest.fixture
 def models(megatron_cpu):
-    if gdn_compat.facts.mtp == "absent":
+    if FACTS.mtp == "absent":
         pytest.skip(f"megatron-core {MEGATRON} has no MTP")
     plain = build_gpt(recompute=False, device=megatron_cpu)
     full = build_gpt(recompute=True, device=megatron_cpu)
@@ -49,7 +48,7 @@ def test_full_recompute_gives_the_same_loss_and_gradients_as_no_recompute(models
         assert any(not torch.equal(grads0[n], grads_unmasked[n]) for n in grads0)
 
 
-@pytest.mark.skipif(not NEEDED, reason=f"megatron-core {MEGATRON}: {mtp_padding_mask.decide(gdn_compat.facts)}")
+@pytest.mark.skipif(not NEEDED, reason=str(skip_reason("mtp_padding_mask")))
 def test_unpatched_release_dies_with_the_padding_mask_type_error(models):
     _, full, data = models
     with pytest.raises(TypeError, match="unexpected keyword argument 'padding_mask'"):
@@ -58,7 +57,7 @@ def test_unpatched_release_dies_with_the_padding_mask_type_error(models):
 
 # -- per branch, with the release's real MultiTokenPredictionLayer -----------------------------
 
-branch = pytest.mark.skipif(not NEEDED, reason=f"mtp_padding_mask not needed on megatron-core {MEGATRON}")
+branch = pytest.mark.skipif(not NEEDED, reason=str(skip_reason("mtp_padding_mask")))
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
-"""The public API on the installed release: apply/revert/report/applied, doctor and README table."""
+"""The public API on the installed release: apply/revert/report/applied/plan, the doctor, the README table."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -10,23 +11,27 @@ import sys
 import pytest
 
 import gdn_compat
-from gdn_compat import _table
+from gdn_compat.__main__ import EXIT_USAGE, doctor
 from gdn_compat.patches import PATCHES
+from tests.support import compat_table
+from tests.support.release import FACTS, MEGATRON
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_apply_twice_then_revert_restores_every_original():
-    import importlib
-
-    before = {}
+def _targets():
+    out = {}
     for patch in PATCHES:
-        module, cls, attr = patch.target.rsplit(".", 2)
         try:
-            owner = getattr(importlib.import_module(module), cls)
+            owner, obj = patch.target.resolve()
         except Exception:  # noqa: BLE001 - release without this module
             continue
-        before[patch.name] = (owner, attr, owner.__dict__.get(attr))
+        out[patch.name] = (owner, patch.target.attr, obj)
+    return out
+
+
+def test_apply_twice_then_revert_restores_every_original():
+    before = _targets()
     first = gdn_compat.apply()
     second = gdn_compat.apply()
     for rec in second:
@@ -39,16 +44,31 @@ def test_apply_twice_then_revert_restores_every_original():
     assert gdn_compat.revert().records == reverted.records  # harmless twice
 
 
+def test_importing_changes_nothing():
+    code = ("import importlib, gdn_compat\nfrom gdn_compat.patches import PATCHES\nfrom gdn_compat._registry import MARKER\n"
+            "for p in PATCHES:\n"
+            "    try: owner, obj = p.target.resolve()\n"
+            "    except Exception: continue\n"
+            "    assert not hasattr(obj, MARKER), p.name\n"
+            "print('unchanged')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip().endswith("unchanged"), out.stderr[-2000:]
+
+
 def test_applied_context_reverts_what_it_applied():
     with gdn_compat.applied() as report:
         names = report.applied
     assert all(gdn_compat.report()[n].status == "reverted" for n in names)
 
 
-def test_plan_agrees_with_apply():
+def test_plan_says_would_apply_where_apply_says_applied():
     planned = {r.name: r.status for r in gdn_compat.plan()}
+    assert "applied" not in planned.values()
     with gdn_compat.applied() as report:
-        assert {r.name: r.status for r in report} == planned
+        done = {r.name: r.status for r in report}
+        again = {r.name: (r.status, r.reason) for r in gdn_compat.plan()}
+    assert done == {n: "applied" if s == "would_apply" else s for n, s in planned.items()}
+    assert all(again[n] == ("applied", "already applied") for n, s in done.items() if s == "applied")
 
 
 def test_doctor_json_is_machine_readable_and_agrees_with_the_plan():
@@ -56,7 +76,22 @@ def test_doctor_json_is_machine_readable_and_agrees_with_the_plan():
     data = json.loads(out.stdout)
     assert out.returncode == (0 if data["ok"] else 1)
     assert {p["name"]: p["status"] for p in data["patches"]} == {r.name: r.status for r in gdn_compat.plan()}
-    assert data["facts"]["megatron"] == gdn_compat.facts.megatron
+    assert data["facts"]["megatron"]["version"] == MEGATRON
+
+
+@pytest.mark.parametrize("flag", ["", "--json"])
+def test_doctor_reports_a_bad_disable_variable_as_a_usage_finding(flag):
+    env = {**os.environ, "GDN_COMPAT_DISABLE": "bogus", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-m", "gdn_compat", *filter(None, [flag])], capture_output=True,
+                         text=True, cwd=ROOT, env=env)
+    assert out.returncode == EXIT_USAGE, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    if flag:
+        data = json.loads(out.stdout)
+        [usage] = [f for f in data["findings"] if f["code"] == "usage"]
+        assert "bogus" in usage["message"] and data["ok"] is False
+    else:
+        assert "usage: GDN_COMPAT_DISABLE='bogus' names unknown patch(es) ['bogus']" in out.stdout
 
 
 def test_doctor_text_names_every_patch_and_a_verdict(capsys):
@@ -65,7 +100,7 @@ def test_doctor_text_names_every_patch_and_a_verdict(capsys):
     code = main([])
     text = capsys.readouterr().out
     for patch in PATCHES:
-        assert patch.name in text and patch.target in text
+        assert patch.name in text and str(patch.target) in text
     assert ("verdict: OK" in text) == (code == 0)
 
 
@@ -82,15 +117,15 @@ def test_apply_warns_once_per_hazard_and_reports_it(monkeypatch, caplog):
 
 
 def test_readme_compatibility_row_for_this_release_is_current():
-    if gdn_compat.facts.megatron is None:
+    if FACTS.megatron is None:
         pytest.skip("no megatron-core installed")
     readme = (ROOT / "README.md").read_text()
-    row = _table.row(gdn_compat.facts)
+    row = compat_table.row(doctor())
     assert row in readme, f"README compatibility table is stale; regenerate with `nox -s compat_table`. Expected row:\n{row}"
 
 
-def test_readme_holds_no_captured_process_output():
-    """`nox -s compat_table` once pasted import-time stderr (warnings) above the table."""
+def test_readme_holds_no_captured_process_output_and_no_workplace_paths():
     readme = (ROOT / "README.md").read_text()
-    junk = [line for line in readme.splitlines() if "site-packages/" in line or "Warning:" in line]
+    junk = [line for line in readme.splitlines()
+            if "site-packages/" in line or "Warning:" in line or "../shared" in line or "/root/" in line]
     assert junk == [], junk[:3]

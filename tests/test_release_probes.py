@@ -9,15 +9,20 @@ from __future__ import annotations
 import pytest
 
 import gdn_compat
-from gdn_compat.patches import PATCHES, gdn_thd, mtp_padding_mask
-from tests.conftest import MEGATRON
+from gdn_compat._probe import Accepts
+from tests.support.release import FACTS, MEGATRON
 
+GDN_16 = dict(gdn="module", gdn_thd="refuses", gdn_cp="none", config=True, comm=Accepts.NO, mtp="generic",
+              needs={"gdn_thd", "config_gdn_cp", "gdn_cp_comm_type"})
 GENERATION = {
-    "0.15": dict(gdn="absent", gdn_thd="absent", mtp="generic", needs=set()),
-    "0.16": dict(gdn="module", gdn_thd="refuses", mtp="generic", needs={"gdn_thd"}),
-    "0.17": dict(gdn="module", gdn_thd="refuses", mtp="generic", needs={"gdn_thd"}),
-    "0.18": dict(gdn="module", gdn_thd="native", mtp="no_padding_mask", needs={"mtp_padding_mask"}),
-    "0.19": dict(gdn="package", gdn_thd="native", mtp="has_padding_mask", needs=set()),
+    "0.15": dict(gdn="absent", gdn_thd="absent", gdn_cp="absent", config=False, comm=Accepts.ABSENT, mtp="generic",
+                 needs=set()),
+    "0.16": GDN_16,
+    "0.17": GDN_16,
+    "0.18": dict(gdn="module", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.NO,
+                 mtp="no_padding_mask", needs={"gdn_cp_comm_type", "mtp_padding_mask"}),
+    "0.19": dict(gdn="package", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.YES,
+                 mtp="has_padding_mask", needs=set()),
 }
 release = ".".join((MEGATRON or "none").split(".")[:2])
 expected = GENERATION.get(release)
@@ -25,36 +30,36 @@ pytestmark = pytest.mark.skipif(expected is None, reason=f"no expectations recor
 
 
 def test_gdn_location():
-    assert gdn_compat.facts.gdn.split(" ")[0] == expected["gdn"]
+    assert FACTS.gdn == expected["gdn"]
 
 
 def test_gdn_thd_generation():
-    assert gdn_compat.facts.gdn_thd == expected["gdn_thd"]
-    assert gdn_compat.facts.gdn_legacy_shape == (expected["gdn_thd"] == "refuses")
+    assert FACTS.gdn_thd == expected["gdn_thd"]
+    assert FACTS.gdn_legacy_shape == (expected["gdn_thd"] == "refuses")
 
 
-def test_gdn_context_parallel():
-    assert gdn_compat.facts.gdn_cp == {"absent": "absent", "refuses": "none", "native": "native"}[expected["gdn_thd"]]
+def test_gdn_context_parallel_in_the_layer_and_in_the_config():
+    assert FACTS.gdn_cp == expected["gdn_cp"]
+    assert FACTS.config_refuses_gdn_cp is expected["config"]
+    assert FACTS.gdn_init_cp_comm_type is expected["comm"]
 
 
 def test_mtp_checkpointed_forward_generation():
-    assert gdn_compat.facts.mtp == expected["mtp"]
+    assert FACTS.mtp == expected["mtp"]
 
 
 def test_exactly_the_needed_patches_are_selected():
-    needed = {p.name for p in PATCHES if p.decide(gdn_compat.facts) is None}
-    assert needed == expected["needs"]
+    planned = {r.name for r in gdn_compat.plan(FACTS) if r.status == "would_apply"}
+    assert planned == expected["needs"]
 
 
 def test_skips_say_why():
-    for mod in (gdn_thd, mtp_padding_mask):
-        why = mod.decide(gdn_compat.facts)
-        if mod.NAME not in expected["needs"]:
-            assert why and (MEGATRON in why or "unknown" in why)
+    for rec in gdn_compat.plan(FACTS):
+        if rec.name not in expected["needs"]:
+            assert rec.status == "skipped" and (MEGATRON in rec.reason or "unknown" in rec.reason), rec
 
 
 def test_fla_varlen_signatures_are_seen():
-    if gdn_compat.facts.fla is None or gdn_compat.facts.fla_error:
-        pytest.skip(f"fla not importable here: {gdn_compat.facts.fla_error}")
-    assert gdn_compat.facts.fla_rule_cu_seqlens == "yes"
-    assert gdn_compat.facts.fla_conv_cu_seqlens == "yes"
+    if FACTS.fla is None or FACTS.fla_error:
+        pytest.skip(f"fla not importable here: {FACTS.fla_error}")
+    assert FACTS.fla_varlen.rule is Accepts.YES and FACTS.fla_varlen.conv is Accepts.YES

@@ -1,5 +1,9 @@
-"""The patches, in the order ``apply()`` runs them. One file per patch: its probe decision and replacement."""
+"""The patches, in the order ``apply()`` decides and installs them.
 
-from gdn_compat.patches import gdn_thd, mtp_padding_mask
+A patch is one module (``mtp_padding_mask.py``) or, when large, one package (``gdn_thd/``) whose
+``__init__`` holds the decision and the wiring. Each exposes ``PATCH``.
+"""
 
-PATCHES = (gdn_thd.PATCH, mtp_padding_mask.PATCH)
+from gdn_compat.patches import config_gdn_cp, gdn_cp_comm_type, gdn_thd, mtp_padding_mask
+
+PATCHES = (gdn_thd.PATCH, config_gdn_cp.PATCH, gdn_cp_comm_type.PATCH, mtp_padding_mask.PATCH)

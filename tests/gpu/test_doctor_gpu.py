@@ -8,14 +8,14 @@ import torch
 import gdn_compat
 from gdn_compat import hazards
 from gdn_compat._probe import probe
-from tests.gdn_helpers import build_gdn, packed
+from tests.support.gdn import build_gdn, packed
 
 
 @pytest.mark.parametrize("dk", [128])
 def test_doctor_predicts_what_the_first_gdn_backward_does(megatron_cpu, dk):
     facts = probe(init_cuda=True)
     findings = {f.code: f for f in hazards.check(facts, key_head_dim=dk)}
-    print(f"\n[doctor {facts.megatron} {facts.fla} triton {facts.triton} {facts.cuda}] "
+    print(f"\n[doctor {facts.megatron} {facts.fla} triton {facts.triton} {facts.gpu}] "
           f"{[str(f) for f in findings.values()]}")
     gdn_compat.apply()
     try:

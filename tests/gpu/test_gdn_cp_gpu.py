@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import gdn_compat
-from gdn_compat.patches import gdn_thd
-from tests.conftest import MEGATRON
-from tests.gdn_helpers import QWEN3_NEXT as SHAPE  # as the single-GPU tests: shared kernels
-from tests.gdn_helpers import offsets, rel
+from tests.support.gdn import QWEN3_NEXT as SHAPE  # as the single-GPU tests: shared kernels
+from tests.support.gdn import offsets, rel
+from tests.support.release import FACTS, MEGATRON, skip_reason
 
 BSHD = (512, 2)  # sequence length, batch
 THD_ACTUAL = [5, 70, 300, 129, 431]
@@ -32,7 +31,7 @@ RELEASE_CONV = {"output": 1e-2, "input grad": 1.5e-2, "param grad": 2e-2}
 
 
 def bounds(case: str) -> dict[str, float]:
-    shim = gdn_thd.decide(gdn_compat.facts) is None
+    shim = skip_reason("gdn_thd") is None
     return RELEASE_CONV if case == "bshd" and shim else TIGHT
 
 
@@ -41,9 +40,9 @@ def _applies() -> str | None:
         return "megatron-core is not installed"
     if torch.cuda.device_count() < 2:
         return "needs 2 GPUs"
-    if gdn_thd.decide(gdn_compat.facts) is None:
+    if skip_reason("gdn_thd") is None:
         return None  # 0.16/0.17: the shim
-    if gdn_compat.facts.gdn_cp == "native":
+    if FACTS.gdn_cp == "native":
         return None  # 0.18+: upstream's own context parallelism, the reference
     return f"no GatedDeltaNet context parallelism on megatron-core {MEGATRON}"
 
@@ -61,14 +60,18 @@ def _run(m, x, psp, dy):
 
 
 def _worker(rank: int, port: int, queue) -> None:
+    from tests.support.megatron import world
+
+    with world(rank, 2, cp=2, port=port, cuda=True), gdn_compat.applied():
+        _check(rank, queue)
+
+
+def _check(rank: int, queue) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from gdn_compat.testing import init_megatron_cuda
-    from tests.gdn_helpers import build_gdn, packed, shard
+    from tests.support.gdn import build_gdn, packed, shard
 
-    init_megatron_cuda(rank, 2, 2, port)
-    gdn_compat.apply()
     solo = [dist.new_group([r]) for r in range(2)]  # every rank creates every group
     kw = dict(device="cuda", dtype=torch.bfloat16, **SHAPE)
     m1 = build_gdn(cp_group=solo[rank], **kw)
@@ -97,19 +100,18 @@ def _worker(rank: int, port: int, queue) -> None:
         }
     queue.put((rank, errors))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def test_cp2_on_two_gpus_matches_cp1_bshd_and_thd():
     import torch.multiprocessing as mp
 
-    from gdn_compat.testing import _free_port
+    from tests.support.megatron import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), queue), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), queue), nprocs=2, join=True, start_method="spawn")
     results = dict(queue.get() for _ in range(2))
-    kind = "shim" if gdn_thd.decide(gdn_compat.facts) is None else "native"
+    kind = "shim" if skip_reason("gdn_thd") is None else "native"
     for rank, errors in sorted(results.items()):
         for name, e in errors.items():
             print(f"\n[cp-gpu {MEGATRON} {kind}] rank {rank} {name}: output rel={e['output']:.3g} "

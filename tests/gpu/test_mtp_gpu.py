@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gdn_compat
-from tests.conftest import MEGATRON
-from tests.mtp_helpers import batch, build_gpt, loss_and_grads
+from tests.support.mtp import batch, build_gpt, loss_and_grads
+from tests.support.release import MEGATRON
 
 
 def test_full_recompute_matches_no_recompute_with_padding_mask(megatron_cpu):

@@ -9,6 +9,8 @@ see whole sequences; the reverse permutation and all-to-all run before the outpu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -73,3 +75,13 @@ def hp2cp(y: torch.Tensor, inverse: torch.Tensor, group, cp: int) -> torch.Tenso
 def local_heads(param: torch.Tensor, sections: list[int], cp: int, rank: int) -> torch.Tensor:
     """This rank's head group of every section of a parameter's first dim."""
     return torch.cat([p.chunk(cp, dim=0)[rank] for p in torch.split(param, sections, dim=0)], dim=0)
+
+
+def group_of(layer) -> Any:
+    """The layer's context-parallel group (None when it has none)."""
+    return getattr(getattr(layer, "pg_collection", None), "cp", None)
+
+
+def size_of(layer) -> int:
+    group = group_of(layer)
+    return group.size() if group is not None else 1

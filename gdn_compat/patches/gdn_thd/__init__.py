@@ -1,0 +1,132 @@
+"""gdn_thd: packed sequences (``qkv_format='thd'``) for GatedDeltaNet on megatron-core 0.16.x/0.17.x.
+
+Those releases raise ``NotImplementedError`` for any ``packed_seq_params``. Upstream added THD in
+NVIDIA/Megatron-LM PR #2645 (released in 0.18.0); this replacement gives 0.16/0.17 the same
+contract and, on CUDA, runs the same fla kernels in the same order as 0.18/0.19's native path:
+
+* not packed (``None``, ``'bshd'``, ``'sbhd'``, ...) at cp = 1: the release's own forward, with
+  ``packed_seq_params=None``;
+* packed: boundaries from the pack (``pack.py``), the core over the whole pack (``kernels.py``:
+  fla's varlen kernels on CUDA, pure torch on the CPU or in ``deterministic_mode``, which upstream
+  refuses for THD);
+* context parallel, packed or not (these releases have none and with cp > 1 silently treat each
+  rank's shard as a whole sequence): one all-to-all each way (``context_parallel.py``).
+
+This file holds the decision and the wiring.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import torch
+
+from gdn_compat._probe import GDN_MODULE, Cp, Facts, Layout, Thd
+from gdn_compat._registry import Patch, Target
+from gdn_compat.patches.gdn_thd import context_parallel as cpx
+from gdn_compat.patches.gdn_thd.kernels import Core, local_view
+from gdn_compat.patches.gdn_thd.pack import PACKS, Pack, pack_for, rows_pack
+
+__all__ = ["PACKS", "PATCH"]
+
+
+def decide(facts: Facts) -> str | None:
+    mc = facts.release
+    if facts.gdn is Layout.ABSENT:
+        return f"{mc} has no GatedDeltaNet"
+    if facts.gdn is Layout.UNKNOWN:
+        return f"not patched: {facts.notes.get('gdn', 'GatedDeltaNet not readable')}"
+    if facts.gdn_thd is Thd.NATIVE:
+        return f"{mc} GatedDeltaNet.forward already handles qkv_format='thd' (upstream PR #2645)"
+    if facts.gdn_thd is not Thd.REFUSES:
+        return f"not patched, unknown GatedDeltaNet shape: {facts.notes.get('gdn_thd', facts.gdn_thd)}"
+    if not facts.gdn_legacy_shape:
+        return ("not patched, unknown GatedDeltaNet shape: forward refuses THD but its signature or "
+                "helpers (_apply_gated_norm, l2norm, torch_chunk_gated_delta_rule) differ from 0.16/0.17")
+    if facts.gdn_cp is Cp.NATIVE:
+        return "not patched, unknown GatedDeltaNet shape: refuses THD yet has context parallelism"
+    if not facts.fla_varlen.usable:
+        v = facts.fla_varlen
+        return (f"not patched: {facts.fla or 'fla'} lacks the varlen kernels packed GDN runs on "
+                f"(chunk_gated_delta_rule cu_seqlens={v.rule}, causal_conv1d cu_seqlens={v.conv}"
+                + (f"; {facts.notes['fla_varlen']}" if "fla_varlen" in facts.notes else "")
+                + "); install fla-core>=0.4.2")
+    return None
+
+
+def _forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pack, cp: int) -> tuple[torch.Tensor, Any]:
+    """The GDN over [s_local, b, h] input whose rows are ``pack``'s sequences (b = 1 for THD)."""
+    group = cpx.group_of(layer)
+    loc = local_view(layer, cp, group.rank() if cp > 1 else 0)
+    qkvzba, _ = layer.in_proj(hidden_states)  # gathers the sequence-parallel shards
+    if cp > 1:
+        assert pack.perm is not None and pack.inverse is not None
+        tp_hv = layer.num_value_heads // layer.tp_size
+        sections = [layer.qk_dim // layer.tp_size] * 2 + [layer.v_dim // layer.tp_size] * 2 + [tp_hv, tp_hv]
+        qkvzba = cpx.cp2hp(qkvzba, sections, pack.perm, group, cp)  # all tokens, this rank's heads
+    seq, rows = qkvzba.shape[0], qkvzba.shape[1]
+    total = seq * rows
+    qkvzba = qkvzba.transpose(0, 1).reshape(1, total, -1)
+    hv = loc.v // loc.dv
+    qkv, gate, beta, alpha = torch.split(qkvzba, [2 * loc.qk + loc.v, loc.v, hv, hv], dim=-1)
+    gate = gate.reshape(1, total, -1, loc.dv)
+    beta = beta.reshape(1, total, -1)
+    alpha = alpha.reshape(1, total, -1)
+    out, gate = core(layer, loc, qkv, gate, beta, alpha, pack, total)
+    norm_out = layer._apply_gated_norm(out, gate)
+    norm_out = norm_out.reshape(rows, seq, -1).transpose(0, 1).contiguous()
+    if pack.inverse is not None:
+        norm_out = cpx.hp2cp(norm_out, pack.inverse, group, cp)
+    return layer.out_proj(norm_out)
+
+
+def _pack_of(layer: Any, hidden_states: torch.Tensor, psp: Any, cp: int) -> Pack:
+    local, batch, _ = hidden_states.shape
+    total = local * layer.sp_size * cp
+    if psp is not None:
+        if batch != 1:
+            raise ValueError(f"gdn_compat THD: packed input must be [tokens, 1, hidden], got batch {batch} "
+                             f"(hidden_states shape {tuple(hidden_states.shape)})")
+        return pack_for(psp, total, hidden_states.device, cp)
+    if total % (2 * cp):
+        raise ValueError(f"gdn_compat: with context parallel size {cp} the sequence length must be divisible "
+                         f"by 2 x cp = {2 * cp}; got {total} ({local} local tokens)")
+    return rows_pack(total, batch, cp, hidden_states.device)
+
+
+def build(facts: Facts, original: Any) -> Any:
+    """The replacement ``GatedDeltaNet.forward``; ``original`` is the release's."""
+    release = sys.modules[original.__module__]  # bound once: its l2norm and torch rule
+    core = Core(release, facts.fla_varlen)
+    version = facts.release
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
+                inference_params=None, **kwargs):
+        packed = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
+        cp = cpx.size_of(self)
+        if not packed and cp == 1:
+            return original(self, hidden_states, attention_mask, key_value_states, inference_context,
+                            attention_bias, None, sequence_len_offset,
+                            inference_params=inference_params, **kwargs)
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError(f"gdn_compat: GatedDeltaNet on {version} with "
+                                      f"{'packed sequences' if packed else f'context parallel size {cp}'} and an "
+                                      f"inference context is not supported (neither upstream)")
+        pack = _pack_of(self, hidden_states, packed_seq_params if packed else None, cp)
+        return _forward(self, core, hidden_states, pack, cp)
+
+    return forward
+
+
+PATCH = Patch(
+    name="gdn_thd",
+    target=Target(GDN_MODULE, "GatedDeltaNet", "forward"),
+    decide=decide,
+    build=build,
+    summary="GatedDeltaNet.forward accepts packed sequences (qkv_format='thd') and context parallelism; "
+            "unpacked input at cp=1 runs the release's own code (upstream PR #2645)",
+)

@@ -1,0 +1,149 @@
+"""The packed GDN core: fla's varlen kernels on CUDA, pure torch on the CPU or in deterministic mode.
+
+``Core`` is built once per ``apply()`` with the release module and the probed fla signatures; the
+forward hands it the layer, this rank's share of the parameters (``Local``) and the pack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gdn_compat._probe import Accepts, Varlen
+from gdn_compat.patches.gdn_thd import context_parallel as cpx
+from gdn_compat.patches.gdn_thd.pack import Pack
+
+
+def l2norm_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's l2norm in plain torch: x / sqrt(sum(x^2) + eps), computed in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def g_and_beta(A_log: torch.Tensor, dt_bias: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor):
+    # Same expression as 0.18's GatedDeltaNet._compute_g_and_beta (PR #2645).
+    g = -A_log.exp() * F.softplus(alpha.float() + dt_bias)  # in fp32
+    return g, beta.sigmoid()
+
+
+def prepare_qkv(qkv, gate, beta, alpha, seq_len: int, qk_local: int, v_local: int, dk: int, dv: int,
+                repeat: int, use_l2norm: bool, l2norm: Any):
+    # The steps of 0.18's GatedDeltaNet._prepare_qkv_for_gated_delta_rule (PR #2645): split,
+    # reshape, one l2norm over q and k together, split, expand grouped heads, make contiguous.
+    query_key, value = torch.split(qkv, [2 * qk_local, v_local], dim=-1)
+    query_key = query_key.reshape(1, seq_len, -1, dk)
+    value = value.reshape(1, seq_len, -1, dv)
+    if use_l2norm:
+        query_key = l2norm(query_key.contiguous())
+    heads = qk_local // dk
+    query, key = torch.split(query_key, [heads, heads], dim=2)
+    if repeat > 1:
+        query = query.repeat_interleave(repeat, dim=2)
+        key = key.repeat_interleave(repeat, dim=2)
+    return (query.contiguous(), key.contiguous(), value.contiguous(), gate.contiguous(),
+            beta.contiguous(), alpha.contiguous())
+
+
+@functools.lru_cache(maxsize=1)
+def _fused() -> tuple[Any, Any]:
+    # 0.18/0.19 run both steps through megatron's jit_fuser (torch.compile), and torch.compile
+    # changes how fla's l2norm kernel is launched; so do we, for the same bits as upstream's THD.
+    from megatron.core.jit import jit_fuser
+
+    return jit_fuser(prepare_qkv), jit_fuser(g_and_beta)
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """This rank's share of the layer: dims after TP and CP, and its slices of the parameters."""
+
+    qk: int  # q (and k) features
+    v: int  # v (and gate) features
+    dk: int
+    dv: int
+    repeat: int  # value heads per key head
+    conv_w: torch.Tensor
+    conv_b: torch.Tensor | None
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+
+def local_view(layer: Any, cp: int, rank: int) -> Local:
+    tp, hk, hv = layer.tp_size, layer.num_key_heads, layer.num_value_heads
+    if hk % (tp * cp) or hv % (tp * cp):
+        raise ValueError(f"gdn_compat: GatedDeltaNet heads must divide by tp x cp = {tp} x {cp}; got "
+                         f"{hk} key heads and {hv} value heads")
+    qk, v = layer.qk_dim // tp, layer.v_dim // tp
+    conv_w, conv_b, A_log, dt_bias = layer.conv1d.weight, layer.conv1d.bias, layer.A_log, layer.dt_bias
+    if cp > 1:  # keep q, k and v sections aligned: each is cut into cp head groups
+        conv_w = cpx.local_heads(conv_w, [qk, qk, v], cp, rank)
+        conv_b = None if conv_b is None else cpx.local_heads(conv_b, [qk, qk, v], cp, rank)
+        A_log, dt_bias = A_log.chunk(cp)[rank], dt_bias.chunk(cp)[rank]
+    return Local(qk // cp, v // cp, layer.key_head_dim, layer.value_head_dim, hv // hk, conv_w, conv_b, A_log, dt_bias)
+
+
+class Core:
+    """The two ways to run the packed core, bound to one release module and one fla."""
+
+    def __init__(self, release: Any, varlen: Varlen):
+        self.release = release  # its l2norm and torch_chunk_gated_delta_rule are read at call time
+        self.rule_host = {"cu_seqlens_cpu"} if varlen.rule_cpu is Accepts.YES else set()
+        self.conv_host = {"cu_seqlens_cpu"} if varlen.conv_cpu is Accepts.YES else set()
+
+    def __call__(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int):
+        if qkv.is_cuda and not layer.config.deterministic_mode:
+            return self.fla(layer, loc, qkv, gate, beta, alpha, pack, total)
+        return self.torch(layer, loc, qkv, gate, beta, alpha, pack)
+
+    def fla(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int):
+        from fla.modules.convolution import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        if layer.activation not in ("silu", "swish"):
+            raise ValueError(f"gdn_compat THD: fla's causal_conv1d supports silu/swish, got activation "
+                             f"{layer.activation!r}")
+        host = {"cu_seqlens_cpu": pack.cu_cpu}
+        qkv, _ = causal_conv1d(
+            x=qkv, weight=loc.conv_w.squeeze(1), bias=loc.conv_b, activation=layer.activation,
+            initial_state=None, output_final_state=False, cu_seqlens=pack.cu,
+            **{k: v for k, v in host.items() if k in self.conv_host},
+        )
+        prepare, gb = _fused()
+        query, key, value, gate, beta, alpha = prepare(
+            qkv, gate, beta, alpha, total, loc.qk, loc.v, loc.dk, loc.dv, loc.repeat, bool(layer.use_qk_l2norm),
+            self.release.l2norm,
+        )
+        g, beta = gb(loc.A_log, loc.dt_bias, alpha, beta)
+        out, _ = chunk_gated_delta_rule(
+            query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=False, cu_seqlens=pack.cu,
+            **{k: v for k, v in host.items() if k in self.rule_host},
+        )
+        return out, gate
+
+    def torch(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack):
+        g, beta = g_and_beta(loc.A_log, loc.dt_bias, alpha, beta)
+        outs = []
+        width = loc.conv_w.shape[-1]
+        for start, end in pack.spans:  # one sequence at a time: state cannot cross a boundary
+            length = end - start
+            x = qkv[:, start:end].transpose(1, 2).contiguous()  # b, s, d -> b, d, s
+            # what the release's nn.Conv1d computes (padding width-1, one group per channel)
+            x = F.conv1d(x, loc.conv_w, loc.conv_b, padding=width - 1, groups=loc.conv_w.shape[0])
+            x = layer.act_fn(x[..., :length]).transpose(1, 2)
+            query, key, value, _, beta_i, g_i = prepare_qkv(
+                x, gate, beta[:, start:end], g[:, start:end], length, loc.qk, loc.v, loc.dk, loc.dv, loc.repeat,
+                bool(layer.use_qk_l2norm), l2norm_torch,
+            )
+            out, _ = self.release.torch_chunk_gated_delta_rule(
+                query, key, value, g=g_i, beta=beta_i, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False,
+            )
+            outs.append(out)
+        if not outs:
+            return qkv.new_zeros(1, 0, loc.v // loc.dv, loc.dv), gate
+        return torch.cat(outs, dim=1), gate

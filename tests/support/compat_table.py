@@ -1,0 +1,38 @@
+"""The README's compatibility table, rendered from ``python -m gdn_compat --json`` (stdlib only).
+
+``nox -s compat_table`` runs the doctor once per release and calls ``update_readme``; each release's
+test session checks that its row in the README is current.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+COLUMNS = ("gdn_thd", "config_gdn_cp", "gdn_cp_comm_type", "mtp_padding_mask")
+HEADER = ("| megatron-core | GatedDeltaNet | THD in GDN | CP in GDN | MTP `_checkpointed_forward` | "
+          + " | ".join(f"`{c}`" for c in COLUMNS) + " |\n|" + "---|" * (5 + len(COLUMNS)))
+START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
+
+
+def row(doctor: dict[str, Any]) -> str:
+    f = doctor["facts"]
+    status = {p["name"]: p["status"] for p in doctor["patches"]}
+    cells = ["**applied**" if status.get(c) == "would_apply" else "skipped" for c in COLUMNS]
+    cp = f["gdn_cp"] + (" (config refuses)" if f["config_refuses_gdn_cp"] else "")
+    version = (f["megatron"] or {}).get("version", "none")
+    return f"| {version} | {f['gdn']} | {f['gdn_thd']} | {cp} | {f['mtp']} | " + " | ".join(cells) + " |"
+
+
+def render(rows: list[str]) -> str:
+    return "\n".join([START, HEADER, *rows, END])
+
+
+def update_readme(path: str | pathlib.Path, rows: list[str]) -> str:
+    """Replace the marked table in the README at ``path``; returns the new table."""
+    readme = pathlib.Path(path)
+    text = readme.read_text()
+    start, end = text.index(START), text.index(END) + len(END)
+    table = render(rows)
+    readme.write_text(text[:start] + table + text[end:])
+    return table

@@ -1,0 +1,70 @@
+"""megatron-core on a machine without a GPU (design: gloo, CPU stand-ins for CUDA-only helpers).
+
+Everything here changes torch and megatron globals, so it is undoable: ``cpu_stand_ins()`` is a
+context manager (the session fixture ``megatron_cpu`` enters it and leaves it at the end), and
+``world()`` tears the process groups down on exit. Benchmarks and examples import this module too
+(run them from the repository root with ``python -m benchmarks.NAME``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def cpu_stand_ins() -> Iterator[None]:
+    """CPU stand-ins for the CUDA-only pieces a GatedDeltaNet / GPTModel touches, undone on exit."""
+    import pytest
+    import torch
+    from megatron.core.tensor_parallel import random as mrandom
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        yield
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch._dynamo.config, "disable", True)  # jit_fuser would compile per shape, slowly
+        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+        mp.setattr(mrandom.CudaRNGStatesTracker, "fork", fork)
+        mp.setattr(mrandom, "_get_all_rng_states", lambda: {})
+        mp.setattr(mrandom, "_set_all_rng_states", lambda *a, **k: None)
+        yield
+
+
+@contextlib.contextmanager
+def world(rank: int = 0, size: int = 1, *, tp: int = 1, cp: int = 1, port: int | None = None,
+          cuda: bool = False) -> Iterator[str]:
+    """A process group (gloo on the CPU with the stand-ins, NCCL with ``cuda``) and megatron's
+    model-parallel state; yields the device name. Destroyed on exit."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    with contextlib.ExitStack() as stack:
+        if cuda:
+            torch.cuda.set_device(rank)
+        else:
+            stack.enter_context(cpu_stand_ins())
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ["MASTER_PORT"] = str(port or free_port())
+            dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size)
+            stack.callback(dist.destroy_process_group)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+            stack.callback(parallel_state.destroy_model_parallel)
+        if cuda:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(1234)
+        yield "cuda" if cuda else "cpu"

@@ -1,0 +1,32 @@
+"""The megatron-core release under test: its version, its probe before any apply(), its plan."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+
+
+def megatron_version() -> str | None:
+    try:
+        return md.version("megatron-core")
+    except md.PackageNotFoundError:
+        return None
+
+
+MEGATRON = megatron_version()
+
+
+def _facts():
+    import gdn_compat
+
+    return gdn_compat.probe()
+
+
+FACTS = _facts()  # the release as installed, before any apply()
+
+
+def skip_reason(patch: str) -> str | None:
+    """None when ``apply()`` would apply ``patch`` on this release, else the plan's reason to skip."""
+    import gdn_compat
+
+    [rec] = [r for r in gdn_compat.plan(FACTS) if r.name == patch]
+    return None if rec.status == "would_apply" else f"{patch} not applied on megatron-core {MEGATRON}: {rec.reason}"
