@@ -12,6 +12,7 @@ import pytest
 
 import gdn_compat
 from gdn_compat.__main__ import EXIT_USAGE, doctor
+from gdn_compat._registry import NOTSET
 from gdn_compat.patches import PATCHES
 from tests.support import compat_table
 from tests.support.release import FACTS, MEGATRON
@@ -40,7 +41,7 @@ def test_apply_twice_then_revert_restores_every_original():
     reverted = gdn_compat.revert()
     assert {r.name for r in reverted if r.status == "reverted"} == set(first.applied)
     for owner, attr, obj in before.values():
-        assert owner.__dict__.get(attr) is obj
+        assert owner.__dict__.get(attr, NOTSET) is obj
     assert gdn_compat.revert().records == reverted.records  # harmless twice
 
 
