@@ -69,6 +69,7 @@ def layer(models):
     calls = []
 
     def proj(**kw):
+        proj.context = kw.get("context")
         mask = kw.get("padding_mask")
         calls.append((torch.is_grad_enabled(), None if mask is None else mask.clone()))
         scale = 1.0 if mask is None else 1.0 + mask.float().sum()
@@ -161,3 +162,20 @@ def test_without_a_mask_the_patch_behaves_like_the_release(layer, megatron_cpu):
         got = _forward_backward(mtp_layer, h, d, None)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert [m for _, m in calls] == [None] * 4
+
+
+@branch
+def test_replacement_keeps_the_release_positional_order_and_its_signature_tells_the_truth(layer, megatron_cpu):
+    mtp_layer, calls = layer
+    cls = type(mtp_layer)
+    release = list(inspect.signature(cls.__dict__["_checkpointed_forward"]).parameters.values())
+    assert "padding_mask" not in [p.name for p in release]
+    h, d, pm = _inputs(megatron_cpu)
+    context = torch.randn(6, 2, 8, device=megatron_cpu)
+    with gdn_compat.applied():
+        params = list(inspect.signature(cls._checkpointed_forward).parameters.values())
+        assert params[:-1] == release  # 0.18.x's order, untouched
+        assert (params[-1].name, params[-1].kind) == ("padding_mask", inspect.Parameter.KEYWORD_ONLY)
+        out = mtp_layer._checkpointed_forward(h, d, None, context, padding_mask=pm)  # 0.18.x positional call
+    assert mtp_layer._proj_and_transformer_layer.context is context
+    assert torch.equal(calls[0][1], pm) and out.shape == h.shape

@@ -68,15 +68,19 @@ def _forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pack, cp
         qkvzba = cpx.cp2hp(qkvzba, sections, pack.perm, group, cp)  # all tokens, this rank's heads
     seq, rows = qkvzba.shape[0], qkvzba.shape[1]
     total = seq * rows
-    qkvzba = qkvzba.transpose(0, 1).reshape(1, total, -1)
-    hv = loc.v // loc.dv
+    hv = loc.v // loc.dv  # shapes spelled out: a -1 is ambiguous for an empty pack
+    qkvzba = qkvzba.transpose(0, 1).reshape(1, total, 2 * loc.qk + 2 * loc.v + 2 * hv)
     qkv, gate, beta, alpha = torch.split(qkvzba, [2 * loc.qk + loc.v, loc.v, hv, hv], dim=-1)
-    gate = gate.reshape(1, total, -1, loc.dv)
-    beta = beta.reshape(1, total, -1)
-    alpha = alpha.reshape(1, total, -1)
-    out, gate = core(layer, loc, qkv, gate, beta, alpha, pack, total)
+    gate = gate.reshape(1, total, hv, loc.dv)
+    beta = beta.reshape(1, total, hv)
+    alpha = alpha.reshape(1, total, hv)
+    if total:
+        out, gate = core(layer, loc, qkv, gate, beta, alpha, pack, total)
+    else:  # an empty pack: an empty output, and zero (not missing) grads for every parameter
+        unused = loc.conv_w.sum() + loc.A_log.sum() + loc.dt_bias.sum()
+        out = gate + 0 * (unused if loc.conv_b is None else unused + loc.conv_b.sum())
     norm_out = layer._apply_gated_norm(out, gate)
-    norm_out = norm_out.reshape(rows, seq, -1).transpose(0, 1).contiguous()
+    norm_out = norm_out.reshape(rows, seq, loc.v).transpose(0, 1).contiguous()  # no -1: 0 tokens
     if pack.inverse is not None:
         norm_out = cpx.hp2cp(norm_out, pack.inverse, group, cp)
     return layer.out_proj(norm_out)

@@ -26,11 +26,7 @@ class Pack:
     inverse: torch.Tensor | None = None  # and back
 
 
-def _resolve(psp: Any, side: str) -> tuple[str, torch.Tensor | None]:
-    padded = getattr(psp, f"cu_seqlens_{side}_padded", None)
-    if padded is not None:
-        return f"cu_seqlens_{side}_padded", padded
-    return f"cu_seqlens_{side}", getattr(psp, f"cu_seqlens_{side}", None)
+FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 
 def _check_tensor(name: str, t: Any, device: torch.device) -> None:
@@ -46,29 +42,51 @@ def _check_tensor(name: str, t: Any, device: torch.device) -> None:
 
 
 class PackCache:
-    """Last few packs, keyed by the identity *and* in-place version of their cu_seqlens tensors,
-    so every GDN layer of a micro-batch shares one validation and one host copy, while a tensor
-    modified in place is never served stale."""
+    """The last few packs, so every GDN layer of a micro-batch shares one validation and one host copy.
+
+    The contract, per offsets tensor:
+    * on the host: compared by value on every call (no device cost), so no write, tracked or not
+      (``.data``, ``.numpy()``, ``torch.from_numpy``), can serve a stale pack;
+    * on the device: reading values would cost a sync per layer, so the key is the tensor's identity
+      and in-place version: a new tensor or a tracked in-place op is seen. Writes that bypass
+      autograd's version counter (``.data``, DLPack) must not change a device offsets tensor once it
+      was used; hand the layers a new tensor instead. Inference tensors (``torch.inference_mode()``)
+      have no version counter and are never cached on the device: they are read on every call.
+    """
 
     def __init__(self, size: int = 8):
         self.size = size
-        self.entries: list[tuple[Any, ...]] = []
+        self.entries: list[tuple[tuple[Any, ...], tuple[weakref.ref, ...], Pack]] = []
 
     @staticmethod
-    def _key(tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-        return tuple((weakref.ref(t), t._version) for t in tensors)
+    def key(given: dict[str, torch.Tensor], total: int, device: torch.device,
+            cp: int) -> tuple[tuple[Any, ...], tuple[weakref.ref, ...]] | None:
+        """(key, weak references to the device tensors it names), or None: not cacheable."""
+        parts: list[Any] = [total, device, cp]
+        refs = []
+        for name, t in given.items():
+            if t.device.type == "cpu":
+                parts.append((name, tuple(t.tolist())))
+            elif t.is_inference():
+                return None
+            else:
+                parts.append((name, id(t), t._version))
+                refs.append(weakref.ref(t))
+        return tuple(parts), tuple(refs)
 
-    def get(self, tensors: tuple[torch.Tensor, ...], total: int, scope: Any) -> Pack | None:
-        for key, k_total, k_scope, pack in self.entries:
-            if (k_total == total and k_scope == scope and len(key) == len(tensors)
-                    and all(r() is t and v == t._version for (r, v), t in zip(key, tensors))):
-                return pack
-        return None
+    def _live(self) -> list[tuple[tuple[Any, ...], tuple[weakref.ref, ...], Pack]]:
+        # an entry whose device tensor died is dropped before its id() could be reused
+        return [e for e in self.entries if all(r() is not None for r in e[1])]
 
-    def put(self, tensors: tuple[torch.Tensor, ...], total: int, scope: Any, pack: Pack) -> None:
-        self.entries = [e for e in self.entries if all(r() is not None for r, _ in e[0])]
-        self.entries.insert(0, (self._key(tensors), total, scope, pack))  # scope: (device, cp)
-        del self.entries[self.size:]
+    def get(self, key: tuple[tuple[Any, ...], tuple[weakref.ref, ...]] | None) -> Pack | None:
+        if key is None:
+            return None
+        self.entries = self._live()
+        return next((pack for k, _, pack in self.entries if k == key[0]), None)
+
+    def put(self, key: tuple[tuple[Any, ...], tuple[weakref.ref, ...]] | None, pack: Pack) -> None:
+        if key is not None:
+            self.entries = [(key[0], key[1], pack), *self._live()][: self.size]
 
     def clear(self) -> None:
         self.entries.clear()
@@ -90,54 +108,68 @@ def _cp_perm(lengths: list[int], cp: int, device: torch.device) -> tuple[torch.T
     return to_device(perm, device), to_device(torch.argsort(perm), device)
 
 
-def _validate(q_name: str, q_host: list[int], total: int, cp: int) -> list[int]:
-    """The sequence lengths of host offsets ``q_host``, or a ValueError naming what is wrong."""
-    if q_host[0] != 0:
-        raise ValueError(f"gdn_compat THD: {q_name} must start at 0, got {q_host}")
-    if any(b < a for a, b in zip(q_host, q_host[1:])):
-        raise ValueError(f"gdn_compat THD: {q_name} must be non-decreasing, got {q_host}")
-    if q_host[-1] != total:
-        raise ValueError(f"gdn_compat THD: {q_name}[-1]={q_host[-1]} does not match the pack's token count "
-                         f"{total} (local tokens x sequence-parallel size x context-parallel size); {q_name}={q_host}")
-    lengths = [b - a for a, b in zip(q_host, q_host[1:])]
+def _check_offsets(name: str, offsets: list[int]) -> None:
+    if offsets[0] != 0:
+        raise ValueError(f"gdn_compat THD: {name} must start at 0, got {offsets}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"gdn_compat THD: {name} must be non-decreasing, got {offsets}")
+
+
+def _layout(host: dict[str, list[int]], total: int, cp: int) -> tuple[str, list[int]]:
+    """The offsets the tokens are laid out by (padded when given), checked like with like."""
+    for a, b in (("cu_seqlens_q", "cu_seqlens_kv"), ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
+        if a in host and b in host and host[a] != host[b]:
+            raise ValueError(f"gdn_compat THD: {a}={host[a]} and {b}={host[b]} differ; "
+                             f"GatedDeltaNet needs one set of sequence boundaries")
+    name = "cu_seqlens_q_padded" if "cu_seqlens_q_padded" in host else "cu_seqlens_q"
+    layout = host[name]
+    _check_offsets(name, layout)
+    if layout[-1] != total:
+        raise ValueError(f"gdn_compat THD: {name}[-1]={layout[-1]} does not match the pack's token count "
+                         f"{total} (local tokens x sequence-parallel size x context-parallel size); {name}={layout}")
+    actual = host.get("cu_seqlens_q") if name == "cu_seqlens_q_padded" else None
+    if actual is not None:
+        _check_offsets("cu_seqlens_q", actual)
+        lengths = [b - a for a, b in zip(actual, actual[1:])]
+        slots = [b - a for a, b in zip(layout, layout[1:])]
+        if len(lengths) != len(slots) or any(n > s for n, s in zip(lengths, slots)):
+            raise ValueError(f"gdn_compat THD: cu_seqlens_q={actual} does not fit cu_seqlens_q_padded={layout}: "
+                             f"every sequence's actual length must fit its padded slot (lengths {lengths}, "
+                             f"slots {slots})")
+    lengths = [b - a for a, b in zip(layout, layout[1:])]
     if cp > 1 and any(n % (2 * cp) for n in lengths):
         raise ValueError(f"gdn_compat THD with context parallel size {cp}: every sequence length must be "
                          f"divisible by 2 x cp = {2 * cp} (Megatron's load balancing); offending lengths "
-                         f"{[n for n in lengths if n % (2 * cp)]} in {q_name}={q_host}")
-    return lengths
+                         f"{[n for n in lengths if n % (2 * cp)]} in {name}={layout}")
+    return name, layout
 
 
 def pack_for(psp: Any, total: int, device: torch.device, cp: int = 1) -> Pack:
-    """Validate ``packed_seq_params`` for a pack of ``total`` tokens; cached per pack."""
-    q_name, q = _resolve(psp, "q")
-    kv_name, kv = _resolve(psp, "kv")
-    if q is None:
+    """Validate ``packed_seq_params`` for a pack of ``total`` tokens; cached per pack (see PackCache)."""
+    given = {name: t for name in FIELDS if (t := getattr(psp, name, None)) is not None}
+    if "cu_seqlens_q" not in given and "cu_seqlens_q_padded" not in given:
         raise ValueError("gdn_compat THD: packed_seq_params has neither cu_seqlens_q_padded nor cu_seqlens_q")
-    _check_tensor(q_name, q, device)
-    tensors: tuple[torch.Tensor, ...] = (q,)
-    if kv is not None and kv is not q:
-        _check_tensor(kv_name, kv, device)
-        tensors = (q, kv)
-    hit = PACKS.get(tensors, total, (device, cp))
+    for name, t in given.items():
+        _check_tensor(name, t, device)
+    key = PACKS.key(given, total, device, cp)
+    hit = PACKS.get(key)
     if hit is not None:
         return hit
     # The single device-to-host copy of this pack (none when the offsets already live on the host).
-    host = torch.cat([t.detach().to("cpu", torch.int64) for t in tensors]).tolist()
-    q_host, kv_host = host[: q.numel()], host[q.numel():]
-    if kv_host and kv_host != q_host:
-        raise ValueError(f"gdn_compat THD: {q_name}={q_host} and {kv_name}={kv_host} differ; "
-                         f"GatedDeltaNet needs one set of sequence boundaries")
-    lengths = _validate(q_name, q_host, total, cp)
-    spans = tuple((a, b) for a, b in zip(q_host, q_host[1:]) if b > a)
+    flat = torch.cat([t.detach().to("cpu", torch.int64) for t in given.values()]).tolist()
+    host, at = {}, 0
+    for name, t in given.items():
+        host[name], at = flat[at: at + t.numel()], at + t.numel()
+    name, layout = _layout(host, total, cp)
+    spans = tuple((a, b) for a, b in zip(layout, layout[1:]) if b > a)
     offsets = [0] + [b for _, b in spans]
-    cu_cpu = torch.tensor(offsets, dtype=q.dtype)
-    if len(offsets) == q.numel() and q.device == device:
-        cu = q  # nothing dropped: hand the caller's own tensor to fla, as upstream does
-    else:
-        cu = to_device(cu_cpu, device)
-    perm, inverse = _cp_perm(lengths, cp, device)
+    source = given[name]
+    cu_cpu = torch.tensor(offsets, dtype=source.dtype)
+    # nothing dropped: hand the caller's own tensor to fla, as upstream does
+    cu = source if len(offsets) == source.numel() and source.device == device else to_device(cu_cpu, device)
+    perm, inverse = _cp_perm([b - a for a, b in zip(layout, layout[1:])], cp, device)
     pack = Pack(cu=cu, cu_cpu=cu_cpu, spans=spans, perm=perm, inverse=inverse)
-    PACKS.put(tensors, total, (device, cp), pack)
+    PACKS.put(key, pack)
     return pack
 
 
