@@ -1,0 +1,156 @@
+"""A Qwen3-Next-style GPTModel built the way a user builds it, from megatron-core's own classes.
+
+``TransformerConfig(experimental_attention_variant='gated_delta_net', ...)``, the release's
+``TransformerLayer`` / ``TransformerBlock`` / ``GPTModel``, rotary positions, layers of GatedDeltaNet
+followed by a SwiGLU MLP. The release's GDN spec helper insists on Transformer Engine, so the
+layer spec is built by hand from local modules (ColumnParallelLinear in_proj, RowParallelLinear
+out_proj). Attention layers are left out: THD attention needs Transformer Engine or flash-attn.
+
+Also: the parameter layout under tensor parallelism (``split``/``join`` between the full tp = 1
+tensor and a rank's shard, section by section as megatron lays out GDN's fused projections) and
+the per-sequence reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 128
+SHAPE = dict(hidden=64, dk=8, dv=8, hk=4, hv=8, ffn=96)  # heads divide by tp x cp = 4
+
+
+class SPNorm(torch.nn.Module):
+    """RMSNorm whose weight says it is replicated over a sequence-parallel region, as TE's norm
+    does (megatron's own torch norm refuses sequence_parallel); finalize_model_grads sums its grad."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def config(tp: int = 1, sp: bool = False, cp: int = 1, recompute: bool = False, layers: int = 4,
+           deterministic: bool = False):
+    from megatron.core.transformer import TransformerConfig
+
+    extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    return TransformerConfig(
+        num_layers=layers, hidden_size=SHAPE["hidden"], num_attention_heads=4, ffn_hidden_size=SHAPE["ffn"],
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=[1] * layers,
+        linear_conv_kernel_dim=4, linear_key_head_dim=SHAPE["dk"], linear_value_head_dim=SHAPE["dv"],
+        linear_num_key_heads=SHAPE["hk"], linear_num_value_heads=SHAPE["hv"],
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        tensor_model_parallel_size=tp, sequence_parallel=sp, context_parallel_size=cp, cp_comm_type="p2p" if cp > 1 else None,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, deterministic_mode=deterministic,
+        **extra,
+    )
+
+
+def block_spec(cfg):
+    from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=SPNorm, out_proj=RowParallelLinear))
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=SPNorm, self_attention=gdn, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=SPNorm, mlp=get_mlp_module_spec(use_te=False), mlp_bda=get_bias_dropout_add))
+    return TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers, layer_norm=SPNorm)
+
+
+def build(cfg, seed: int = 0):
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(seed)
+    model = GPTModel(cfg, block_spec(cfg), vocab_size=VOCAB, max_sequence_length=256,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    with torch.no_grad():  # norms start at 1 and GDN's A_log/dt_bias in narrow ranges: perturb all
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return model
+
+
+def _sections(name: str) -> tuple[int, list[int]] | None:
+    """(partition dim, full section sizes) of a tensor-parallel parameter; None when replicated."""
+    qk, v, hv, ffn = SHAPE["dk"] * SHAPE["hk"], SHAPE["dv"] * SHAPE["hv"], SHAPE["hv"], SHAPE["ffn"]
+    table = {
+        "self_attention.in_proj.weight": (0, [qk, qk, v, v, hv, hv]),
+        "self_attention.conv1d.weight": (0, [qk, qk, v]),
+        "self_attention.conv1d.bias": (0, [qk, qk, v]),
+        "self_attention.A_log": (0, [hv]),
+        "self_attention.dt_bias": (0, [hv]),
+        "self_attention.out_proj.weight": (1, [v]),
+        "mlp.linear_fc1.weight": (0, [ffn, ffn]),  # SwiGLU: [gate; up], each split over ranks
+        "mlp.linear_fc2.weight": (1, [ffn]),
+        "embedding.word_embeddings.weight": (0, [VOCAB]),
+        "output_layer.weight": (0, [VOCAB]),
+    }
+    return next((spec for suffix, spec in table.items() if name.endswith(suffix)), None)
+
+
+def split(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    spec = _sections(name)
+    if spec is None or tp == 1:
+        return full
+    dim, sizes = spec
+    return torch.cat([s.chunk(tp, dim)[rank] for s in full.split(sizes, dim)], dim)
+
+
+def join(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    spec = _sections(name)
+    if spec is None or len(shards) == 1:
+        return shards[0]
+    dim, sizes = spec
+    tp = len(shards)
+    parts = [s.split([n // tp for n in sizes], dim) for s in shards]
+    return torch.cat([torch.cat([p[i] for p in parts], dim) for i in range(len(sizes))], dim)
+
+
+def check_layout(model, tp: int) -> None:
+    """Every parameter megatron marks tensor-parallel must be one this module knows how to split."""
+    for name, p in model.named_parameters():
+        if getattr(p, "tensor_model_parallel", False) and tp > 1 and _sections(name) is None:
+            raise AssertionError(f"{name} is tensor-parallel (dim {p.partition_dim}) but has no known layout")
+
+
+def packed_batch(lengths: list[int], padded: list[int] | None, seed: int = 1):
+    """Token ids, labels, a loss mask and PackedSeqParams for a pack laid out by ``padded`` slots."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    slots = padded or lengths
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(slots)
+    ids = torch.zeros(total, dtype=torch.long)
+    labels = torch.zeros(total, dtype=torch.long)
+    mask = torch.zeros(total)
+    positions = torch.zeros(total, dtype=torch.long)
+    start = 0
+    for n, slot in zip(lengths, slots):
+        ids[start:start + n] = torch.randint(1, VOCAB, (n,), generator=gen)
+        labels[start:start + n] = torch.randint(1, VOCAB, (n,), generator=gen)
+        mask[start:start + n] = 1
+        positions[start:start + slot] = torch.arange(slot)
+        start += slot
+
+    def cu(sizes):
+        out = [0]
+        for n in sizes:
+            out.append(out[-1] + n)
+        return torch.tensor(out, dtype=torch.int32)
+
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu(lengths), cu_seqlens_kv=cu(lengths),
+                          cu_seqlens_q_padded=cu(slots) if padded else None,
+                          cu_seqlens_kv_padded=cu(slots) if padded else None,
+                          max_seqlen_q=max(slots), max_seqlen_kv=max(slots))
+    return dict(ids=ids, labels=labels, mask=mask, positions=positions, psp=psp, slots=slots, lengths=lengths)

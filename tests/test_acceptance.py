@@ -1,0 +1,209 @@
+"""End-to-end acceptance (#12): a GDN GPTModel built the way a user builds it trains on packed
+micro-batches under tp, sp, cp and full recompute, on every release, against per-sequence runs.
+
+The reference: the same weights at tp = cp = 1, every sequence run alone (unpacked, the release's
+own GDN code), loss = sum of its per-token LM losses. Each cell packs the same sequences (one pack
+of mixed lengths with a length-1 sequence; one padded pack laid out by ``cu_seqlens_q_padded``),
+runs forward + backward of the masked loss sum, reduces gradients as training does (sequence-
+parallel parameters over tp, as ``finalize_model_grads``; everything over cp, as the DP x CP
+all-reduce), gathers tensor-parallel shards to full shape and compares every parameter gradient
+and every real token's loss. fp32 on the CPU (gloo); bound: relative error (2-norm) <= 1e-5, GDN's
+gate parameters (A_log, dt_bias) <= 1e-4 (see GATE_BOUND).
+
+Known holes are strict expected failures naming the patch that closes them:
+- 0.18/0.19 run packed GDN only through fla's Triton kernels, and refuse THD in deterministic mode
+  (the only mode their GDN runs on a CPU): ``gdn_thd_deterministic`` (#15).
+- tp = 2 without sequence parallelism: GDN's out_norm gradient is each rank's partial sum (#14,
+  ``gdn_out_norm_tp_grad``); every other gradient must match first.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+import gdn_compat
+from tests.support import model as M
+from tests.support.release import FACTS, MEGATRON
+
+pytestmark = pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release} has no GatedDeltaNet")
+
+BOUND = 1e-5
+# GDN's gate parameters: their gradient is a sum over every token and head with heavy cancellation
+# (norm ~2e-3 from per-token terms ~1e-2), so fp32 rounding elsewhere in the pack (matmul blocking
+# over 40 tokens instead of 7) shows up ~10x larger relative to it. Measured: 6.5e-5 on the padded
+# pack at tp = 1 (absolute 2.6e-7, the same absolute error as the other layers' gates).
+GATE_BOUND, GATES = 1e-4, ("self_attention.A_log", "self_attention.dt_bias")
+
+
+def bound(name: str) -> float:
+    return GATE_BOUND if name.endswith(GATES) else BOUND
+PACKS = {"mixed": ([1, 7, 16, 3, 9], None), "padded": ([5, 13, 1, 6], [8, 16, 4, 8])}
+# (tp, sp, cp) cells; each with and without full recompute
+CELLS = [(1, False, 1), (2, False, 1), (2, True, 1), (1, False, 2)]
+OUT_NORM = "self_attention.out_norm.weight"
+NATIVE_THD = FACTS.gdn_thd == "native"  # 0.18/0.19: upstream's packed path, CUDA + fla only
+
+
+def _cell_id(cell, recompute):
+    tp, sp, cp = cell
+    return f"tp{tp}-sp{'on' if sp else 'off'}-cp{cp}-{'full' if recompute else 'none'}"
+
+
+def _use_torch_l2norm(monkeypatch) -> None:
+    """The release's unpacked GDN calls fla's Triton l2norm; on the CPU give it a torch one."""
+    import sys
+
+    from tests.support.gdn import l2norm_ref
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("megatron.core.ssm.gated_delta_net") and hasattr(mod, "l2norm"):
+            monkeypatch.setattr(mod, "l2norm", l2norm_ref)
+
+
+def _reference(path: str) -> None:
+    """Per-sequence runs of the tp = cp = 1 model; saves weights, per-token losses and grads."""
+    model = M.build(M.config(deterministic=True))
+    out = {"state": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    for name, (lengths, padded) in PACKS.items():
+        batch = M.packed_batch(lengths, padded)
+        model.zero_grad(set_to_none=True)
+        losses = torch.zeros(len(batch["ids"]))
+        start = 0
+        for n, slot in zip(lengths, batch["slots"]):
+            sl = slice(start, start + n)
+            loss = model(input_ids=batch["ids"][sl][None], position_ids=batch["positions"][sl][None],
+                         attention_mask=None, labels=batch["labels"][sl][None])
+            loss.sum().backward()
+            losses[sl] = loss.detach()[0]
+            start += slot
+        out[name] = {"loss": losses, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    torch.save(out, path)
+
+
+def _run_cell(ref: dict, cell, recompute: bool, rank_tp: int, rank_cp: int, groups) -> dict:
+    """One configuration on this rank; returns {pack: {"loss": rel, param: rel, ...}}."""
+    import torch.distributed as dist
+
+    from tests.support.gdn import shard
+
+    tp, sp, cp = cell
+    model = M.build(M.config(tp=tp, sp=sp, cp=cp, recompute=recompute, deterministic=True))
+    M.check_layout(model, tp)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(M.split(name, ref["state"][name], tp, rank_tp))
+    errors = {}
+    for pack, (lengths, padded) in PACKS.items():
+        batch = M.packed_batch(lengths, padded)
+        if cp > 1 and any(s % (2 * cp) for s in batch["slots"]):
+            continue
+        local = (lambda t: shard(t, batch["slots"], cp, rank_cp)) if cp > 1 else (lambda t: t)
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=local(batch["ids"])[None], position_ids=local(batch["positions"])[None],
+                     attention_mask=None, labels=local(batch["labels"])[None], packed_seq_params=batch["psp"])
+        (loss[0] * local(batch["mask"])).sum().backward()
+        real = local(batch["mask"]).bool()
+        errs = {"loss": M_rel(loss.detach()[0][real], local(ref[pack]["loss"])[real])}
+        for name, p in model.named_parameters():
+            grad = p.grad.detach().clone()
+            if sp and getattr(p, "sequence_parallel", False):
+                dist.all_reduce(grad, group=groups["tp"])  # finalize_model_grads' SP reduction
+            if cp > 1:
+                dist.all_reduce(grad, group=groups["cp"])  # the DP x CP gradient all-reduce
+            if tp > 1:
+                shards = [torch.empty_like(grad) for _ in range(tp)]
+                dist.all_gather(shards, grad, group=groups["tp"])
+                grad = M.join(name, shards)
+            errs[name] = M_rel(grad, ref[pack]["grads"][name])
+        errors[pack] = errs
+    return errors
+
+
+def M_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _worker(rank: int, world: int, port: int, ref_path: str, out_path: str, cells) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from tests.support.megatron import world as megatron_world
+
+    results = {}
+    with megatron_world(rank, world, port=port), pytest.MonkeyPatch.context() as mp:
+        _use_torch_l2norm(mp)
+        ref = torch.load(ref_path)
+        for cell, recompute in cells:
+            tp, sp, cp = cell
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+            groups = {"tp": parallel_state.get_tensor_model_parallel_group(),
+                      "cp": parallel_state.get_context_parallel_group()}
+            with gdn_compat.applied():
+                try:
+                    results[_cell_id(cell, recompute)] = _run_cell(
+                        ref, cell, recompute, parallel_state.get_tensor_model_parallel_rank(),
+                        parallel_state.get_context_parallel_rank(), groups)
+                except Exception as exc:  # noqa: BLE001 - reported per cell
+                    results[_cell_id(cell, recompute)] = f"{type(exc).__name__}: {exc}"
+            dist.barrier()
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+@pytest.fixture(scope="module")
+def matrix(megatron_cpu):
+    """Every cell's worst errors: the 1-rank cells in this process, the 2-rank cells in one spawn."""
+    import torch.multiprocessing as mp
+
+    from tests.support.megatron import free_port
+
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patcher:
+        _use_torch_l2norm(patcher)
+        ref_path, out_path = os.path.join(tmp, "ref.pt"), os.path.join(tmp, "out.pt")
+        _reference(ref_path)
+        two = [(c, r) for c in CELLS if c[0] * c[2] == 2 for r in (False, True)]
+        mp.spawn(_worker, args=(2, free_port(), ref_path, out_path, two), nprocs=2, join=True)
+        results = torch.load(out_path)
+        ref = torch.load(ref_path)
+        from megatron.core import parallel_state
+
+        groups = {"tp": parallel_state.get_tensor_model_parallel_group(),
+                  "cp": parallel_state.get_context_parallel_group()}
+        for recompute in (False, True):
+            cell = (1, False, 1)
+            with gdn_compat.applied():
+                try:
+                    results[_cell_id(cell, recompute)] = _run_cell(ref, cell, recompute, 0, 0, groups)
+                except Exception as exc:  # noqa: BLE001
+                    results[_cell_id(cell, recompute)] = f"{type(exc).__name__}: {exc}"
+    return results
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["recompute-none", "recompute-full"])
+@pytest.mark.parametrize("cell", CELLS, ids=[_cell_id(c, False)[:-5] for c in CELLS])
+def test_packed_training_step_matches_per_sequence_runs(matrix, cell, recompute):
+    got = matrix[_cell_id(cell, recompute)]
+    where = f"{MEGATRON} {_cell_id(cell, recompute)}"
+    if NATIVE_THD:
+        assert isinstance(got, str), f"{where}: packed GDN ran on the CPU; drop this expected failure"
+        assert "Packed sequence does not support deterministic mode" in got, f"{where}: another failure: {got}"
+        pytest.xfail(f"{where}: {got[:160]} -- needs gdn_thd_deterministic (#15)")
+    assert not isinstance(got, str), f"{where}: {got}"
+    worst = {pack: max((v, k) for k, v in errs.items() if not k.endswith(OUT_NORM)) for pack, errs in got.items()}
+    print(f"\n[acceptance {where}] worst rel error (excluding out_norm): "
+          + ", ".join(f"{p} {v:.1e} ({k})" for p, (v, k) in worst.items()))
+    for pack, errs in got.items():
+        bad = {k: v for k, v in errs.items() if v > bound(k) and not k.endswith(OUT_NORM)}
+        assert not bad, f"{where} {pack}: {bad}"
+    out_norm = {f"{pack} {k}": v for pack, errs in got.items() for k, v in errs.items() if k.endswith(OUT_NORM)}
+    fixed = any(r.name == "gdn_out_norm_tp_grad" and r.status == "would_apply" for r in gdn_compat.plan(FACTS))
+    if cell[0] > 1 and not cell[1] and not fixed:
+        assert max(out_norm.values()) > BOUND, f"{where}: the #14 hole was expected but out_norm matched"
+        pytest.xfail(f"{where}: out_norm grad is the rank's partial sum (worst rel {max(out_norm.values()):.2f}) "
+                     f"-- needs gdn_out_norm_tp_grad (#14)")
+    assert max(out_norm.values()) <= BOUND, f"{where}: {out_norm}"
