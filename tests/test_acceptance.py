@@ -101,13 +101,14 @@ def _run_cell(ref: dict, cell, recompute: bool, rank_tp: int, rank_cp: int, grou
         batch = M.packed_batch(lengths, padded)
         if cp > 1 and any(s % (2 * cp) for s in batch["slots"]):
             continue
-        local = (lambda t: shard(t, batch["slots"], cp, rank_cp)) if cp > 1 else (lambda t: t)
+        slots = batch["slots"]
+        local = (lambda t, slots=slots: shard(t, slots, cp, rank_cp)) if cp > 1 else (lambda t: t)
         model.zero_grad(set_to_none=True)
         loss = model(input_ids=local(batch["ids"])[None], position_ids=local(batch["positions"])[None],
                      attention_mask=None, labels=local(batch["labels"])[None], packed_seq_params=batch["psp"])
         (loss[0] * local(batch["mask"])).sum().backward()
         real = local(batch["mask"]).bool()
-        errs = {"loss": M_rel(loss.detach()[0][real], local(ref[pack]["loss"])[real])}
+        errs = {"loss": _rel(loss.detach()[0][real], local(ref[pack]["loss"])[real])}
         for name, p in model.named_parameters():
             grad = p.grad.detach().clone()
             if sp and getattr(p, "sequence_parallel", False):
@@ -118,12 +119,12 @@ def _run_cell(ref: dict, cell, recompute: bool, rank_tp: int, rank_cp: int, grou
                 shards = [torch.empty_like(grad) for _ in range(tp)]
                 dist.all_gather(shards, grad, group=groups["tp"])
                 grad = M.join(name, shards)
-            errs[name] = M_rel(grad, ref[pack]["grads"][name])
+            errs[name] = _rel(grad, ref[pack]["grads"][name])
         errors[pack] = errs
     return errors
 
 
-def M_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 

@@ -35,18 +35,21 @@ class SPNorm(torch.nn.Module):
 
 
 def config(tp: int = 1, sp: bool = False, cp: int = 1, recompute: bool = False, layers: int = 4,
-           deterministic: bool = False):
+           deterministic: bool = False, shape: dict | None = None, bf16: bool = False):
+    import torch
     from megatron.core.transformer import TransformerConfig
 
+    shape = shape or SHAPE
     extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
     return TransformerConfig(
-        num_layers=layers, hidden_size=SHAPE["hidden"], num_attention_heads=4, ffn_hidden_size=SHAPE["ffn"],
+        num_layers=layers, hidden_size=shape["hidden"], num_attention_heads=4, ffn_hidden_size=shape["ffn"],
         experimental_attention_variant="gated_delta_net", linear_attention_freq=[1] * layers,
-        linear_conv_kernel_dim=4, linear_key_head_dim=SHAPE["dk"], linear_value_head_dim=SHAPE["dv"],
-        linear_num_key_heads=SHAPE["hk"], linear_num_value_heads=SHAPE["hv"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=shape["dk"], linear_value_head_dim=shape["dv"],
+        linear_num_key_heads=shape["hk"], linear_num_value_heads=shape["hv"],
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         tensor_model_parallel_size=tp, sequence_parallel=sp, context_parallel_size=cp, cp_comm_type="p2p" if cp > 1 else None,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, deterministic_mode=deterministic,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         **extra,
     )
 
@@ -69,12 +72,12 @@ def block_spec(cfg):
     return TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers, layer_norm=SPNorm)
 
 
-def build(cfg, seed: int = 0):
+def build(cfg, seed: int = 0, device: str = "cpu"):
     from megatron.core.models.gpt import GPTModel
 
     torch.manual_seed(seed)
-    model = GPTModel(cfg, block_spec(cfg), vocab_size=VOCAB, max_sequence_length=256,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    model = GPTModel(cfg, block_spec(cfg), vocab_size=VOCAB, max_sequence_length=8192,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False).to(device)
     with torch.no_grad():  # norms start at 1 and GDN's A_log/dt_bias in narrow ranges: perturb all
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))

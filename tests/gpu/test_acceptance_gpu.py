@@ -1,0 +1,96 @@
+"""The acceptance model (tests/support/model.py) on a GPU: bf16, Qwen3-Next GDN head shape, 4 GDN +
+SwiGLU layers, ~4k tokens in one pack, fla kernels. The shim on 0.16/0.17, upstream's native THD on
+0.18/0.19, each against its own release run one sequence at a time; with GDN_XVER_DIR set, every
+release saves its packed losses and gradients for the same weights and pack, and the later runs
+report (and bound) the gap to each earlier one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import gdn_compat
+from tests.support import model as M
+from tests.support.gdn import rel
+from tests.support.release import FACTS, MEGATRON
+
+SHAPE = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32, ffn=4096)
+LENGTHS = [1, 700, 1500, 300, 1000, 596]  # 4,097 tokens
+XVER = os.environ.get("GDN_XVER_DIR")
+LOSS_BOUND, GRAD_BOUND = 2e-2, 5e-2  # bf16, 4 layers; the measured values are printed
+
+
+@pytest.fixture(scope="module")
+def run(megatron_cpu):
+    assert megatron_cpu == "cuda"
+    if FACTS.gdn == "absent":
+        pytest.skip(f"{FACTS.release} has no GatedDeltaNet")
+    with gdn_compat.applied():
+        model = M.build(M.config(shape=SHAPE, bf16=True), seed=3, device="cuda")
+        _same_weights_as_earlier_releases(model)
+        batch = M.packed_batch(LENGTHS, None)
+        psp = batch["psp"]
+        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+            setattr(psp, name, getattr(psp, name).cuda())
+        ids, pos, labels = (batch[k].cuda()[None] for k in ("ids", "positions", "labels"))
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels, packed_seq_params=psp)
+        loss.float().sum().backward()
+        packed = {"loss": loss.detach()[0].float(), **{n: p.grad.float().clone() for n, p in model.named_parameters()}}
+        model.zero_grad(set_to_none=True)
+        alone = torch.zeros_like(packed["loss"])
+        start = 0
+        for n in LENGTHS:
+            sl = slice(start, start + n)
+            li = model(input_ids=ids[:, sl], position_ids=pos[:, sl], attention_mask=None, labels=labels[:, sl])
+            li.float().sum().backward()
+            alone[sl] = li.detach()[0].float()
+            start += n
+        ref = {"loss": alone, **{n: p.grad.float().clone() for n, p in model.named_parameters()}}
+        state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return packed, ref, state
+
+
+def _same_weights_as_earlier_releases(model) -> None:
+    """With GDN_XVER_DIR: the first release's run saves its weights, later runs load them."""
+    if not XVER:
+        return
+    os.makedirs(XVER, exist_ok=True)
+    path = os.path.join(XVER, "acceptance-weights.pt")
+    params = dict(model.named_parameters())
+    if not os.path.exists(path):
+        torch.save({n: p.detach().cpu() for n, p in params.items()}, path)
+        return
+    saved = torch.load(path)
+    assert saved.keys() == params.keys(), sorted(set(saved) ^ set(params))
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(saved[n])
+
+
+def test_packed_model_matches_per_sequence_runs_bf16(run):
+    packed, ref, _ = run
+    errs = {k: rel(packed[k], ref[k]) for k in packed}
+    worst = max((v, k) for k, v in errs.items() if k != "loss")
+    print(f"\n[acceptance-gpu {MEGATRON} {'native' if FACTS.gdn_thd == 'native' else 'shim'}] "
+          f"loss rel {errs['loss']:.1e}, worst grad rel {worst[0]:.1e} ({worst[1]})")
+    assert errs["loss"] < LOSS_BOUND and worst[0] < GRAD_BOUND, errs
+
+
+def test_same_weights_same_pack_across_releases(run):
+    if not XVER:
+        pytest.skip("set GDN_XVER_DIR to a fresh directory shared by the per-release runs to compare releases")
+    packed, _, state = run
+    os.makedirs(XVER, exist_ok=True)
+    earlier = sorted(f for f in os.listdir(XVER) if f.startswith("acceptance-0"))
+    for name in earlier:
+        blob = torch.load(os.path.join(XVER, name), map_location="cuda")
+        assert all(torch.equal(state[k], blob["state"][k]) for k in state), f"{name}: different weights"
+        diff = {k: rel(packed[k], blob["packed"][k]) for k in packed if not torch.equal(packed[k], blob["packed"][k])}
+        worst = max(diff.values(), default=0.0)
+        print(f"[acceptance-xver {MEGATRON} vs {name}] {'bitwise equal' if not diff else f'{len(diff)} tensors differ, worst rel {worst:.1e}'}")
+        assert worst < GRAD_BOUND, diff
+    torch.save({"state": state, "packed": packed}, os.path.join(XVER, f"acceptance-{MEGATRON}.pt"))
