@@ -20,7 +20,12 @@ from tests.support.release import FACTS, MEGATRON
 SHAPE = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32, ffn=4096)
 LENGTHS = [1, 700, 1500, 300, 1000, 596]  # 4,097 tokens
 XVER = os.environ.get("GDN_XVER_DIR")
-LOSS_BOUND, GRAD_BOUND = 2e-2, 5e-2  # bf16, 4 layers; the measured values are printed
+# bf16, 4 layers. Against each sequence as a one-sequence pack (the same packed kernels): measured
+# on an H200 for shim and native alike. Against the release's own unpacked code: native 0.18/0.19
+# runs the same fla conv there (measured loss 4.9e-6, grads 6.0e-3); 0.16/0.17 run their unpacked
+# conv through nn.Conv1d in bf16, 5e-3 apart per layer from fla's (measured loss 5.5e-3, grads 5.7e-2).
+ALONE_BOUND = (1e-3, 2e-2)
+RELEASE_BOUND = (1e-3, 2e-2) if FACTS.gdn_thd == "native" else (2e-2, 1e-1)
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +45,30 @@ def run(megatron_cpu):
         loss = model(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels, packed_seq_params=psp)
         loss.float().sum().backward()
         packed = {"loss": loss.detach()[0].float(), **{n: p.grad.float().clone() for n, p in model.named_parameters()}}
-        model.zero_grad(set_to_none=True)
-        alone = torch.zeros_like(packed["loss"])
-        start = 0
-        for n in LENGTHS:
-            sl = slice(start, start + n)
-            li = model(input_ids=ids[:, sl], position_ids=pos[:, sl], attention_mask=None, labels=labels[:, sl])
-            li.float().sum().backward()
-            alone[sl] = li.detach()[0].float()
-            start += n
-        ref = {"loss": alone, **{n: p.grad.float().clone() for n, p in model.named_parameters()}}
+        refs = {"alone": _per_sequence(model, ids, pos, labels, packed=True),
+                "release": _per_sequence(model, ids, pos, labels, packed=False)}
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return packed, ref, state
+    return packed, refs, state
+
+
+def _per_sequence(model, ids, pos, labels, packed: bool) -> dict:
+    """Each sequence run alone: as a one-sequence pack, or unpacked through the release's own code."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model.zero_grad(set_to_none=True)
+    losses = torch.zeros(ids.shape[1], device="cuda")
+    start = 0
+    for n in LENGTHS:
+        sl = slice(start, start + n)
+        cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n,
+                              max_seqlen_kv=n) if packed else None
+        li = model(input_ids=ids[:, sl], position_ids=pos[:, sl], attention_mask=None, labels=labels[:, sl],
+                   packed_seq_params=psp)
+        li.float().sum().backward()
+        losses[sl] = li.detach()[0].float()
+        start += n
+    return {"loss": losses, **{n: p.grad.float().clone() for n, p in model.named_parameters()}}
 
 
 def _same_weights_as_earlier_releases(model) -> None:
@@ -71,13 +88,16 @@ def _same_weights_as_earlier_releases(model) -> None:
             p.copy_(saved[n])
 
 
-def test_packed_model_matches_per_sequence_runs_bf16(run):
-    packed, ref, _ = run
+@pytest.mark.parametrize("reference", ["alone", "release"])
+def test_packed_model_matches_per_sequence_runs_bf16(run, reference):
+    packed, refs, _ = run
+    ref = refs[reference]
     errs = {k: rel(packed[k], ref[k]) for k in packed}
     worst = max((v, k) for k, v in errs.items() if k != "loss")
-    print(f"\n[acceptance-gpu {MEGATRON} {'native' if FACTS.gdn_thd == 'native' else 'shim'}] "
+    print(f"\n[acceptance-gpu {MEGATRON} {'native' if FACTS.gdn_thd == 'native' else 'shim'} vs {reference}] "
           f"loss rel {errs['loss']:.1e}, worst grad rel {worst[0]:.1e} ({worst[1]})")
-    assert errs["loss"] < LOSS_BOUND and worst[0] < GRAD_BOUND, errs
+    loss_bound, grad_bound = ALONE_BOUND if reference == "alone" else RELEASE_BOUND
+    assert errs["loss"] < loss_bound and worst[0] < grad_bound, errs
 
 
 def test_same_weights_same_pack_across_releases(run):
@@ -92,5 +112,5 @@ def test_same_weights_same_pack_across_releases(run):
         diff = {k: rel(packed[k], blob["packed"][k]) for k in packed if not torch.equal(packed[k], blob["packed"][k])}
         worst = max(diff.values(), default=0.0)
         print(f"[acceptance-xver {MEGATRON} vs {name}] {'bitwise equal' if not diff else f'{len(diff)} tensors differ, worst rel {worst:.1e}'}")
-        assert worst < GRAD_BOUND, diff
+        assert worst < ALONE_BOUND[1], diff
     torch.save({"state": state, "packed": packed}, os.path.join(XVER, f"acceptance-{MEGATRON}.pt"))

@@ -156,7 +156,7 @@ def test_same_weights_same_bits_across_releases(thd_ready):
     again = _traced_fwd_bwd(m, x)
     flaky = sorted(k for k in mine if not torch.equal(mine[k], again[k]))
     print(f"\n[xver {MEGATRON}] same-process run-to-run differences: {flaky or 'none'}")
-    earlier = sorted(f for f in os.listdir(XVER) if f.endswith(".pt"))
+    earlier = sorted(f for f in os.listdir(XVER) if f.endswith(("-shim.pt", "-native.pt")))
     torch.save({"state": m.state_dict(), "x": x, "t": mine}, f"{XVER}/{MEGATRON}-{'native' if NATIVE else 'shim'}.pt")
     if not NATIVE:
         return

@@ -56,9 +56,13 @@ def world(rank: int = 0, size: int = 1, *, tp: int = 1, cp: int = 1, port: int |
         else:
             stack.enter_context(cpu_stand_ins())
         if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ["MASTER_PORT"] = str(port or free_port())
-            dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size)
+            backend = "nccl" if cuda else "gloo"
+            if size == 1:  # no TCP port to race for with other processes on the machine
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            else:
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                os.environ["MASTER_PORT"] = str(port or free_port())
+                dist.init_process_group(backend, rank=rank, world_size=size)
             stack.callback(dist.destroy_process_group)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
