@@ -20,6 +20,7 @@ from typing import Any
 GDN_MODULE = "megatron.core.ssm.gated_delta_net"
 MTP_MODULE = "megatron.core.transformer.multi_token_prediction"
 CONFIG_MODULE = "megatron.core.transformer.transformer_config"
+FINALIZE_MODULE = "megatron.core.distributed.finalize_model_grads"
 
 # The 0.16/0.17 GatedDeltaNet.forward parameters; the gdn_thd replacement has exactly these.
 GDN_LEGACY_PARAMS = (
@@ -133,6 +134,7 @@ class Facts:
     gdn_conv: Conv = Conv.ABSENT  # the unpacked conv of this release's GDN
     gdn_init_cp_comm_type: Accepts = Accepts.ABSENT  # GatedDeltaNet.__init__(cp_comm_type=)
     config_refuses_gdn_cp: bool = False  # TransformerConfig asserts cp == 1 for gated_delta_net
+    gdn_out_norm_tp_sum: Accepts = Accepts.ABSENT  # finalize_model_grads sums GDN out_norm grads over tp
     mtp: Mtp = Mtp.ABSENT
     notes: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -245,6 +247,27 @@ def _probe_config(out: dict[str, Any]) -> None:
     out["config_refuses_gdn_cp"] = refuses_gdn_cp(config)
 
 
+_SELECTS_SP = re.compile(r"config\.sequence_parallel\s+and\s+getattr\(\s*param,\s*[\"']sequence_parallel")
+
+
+def _probe_finalize(out: dict[str, Any]) -> None:
+    """Does the release's TP reduction of replicated grads already cover GDN's out_norm?"""
+    try:
+        mod = importlib.import_module(FINALIZE_MODULE)
+        src = inspect.getsource(mod.__dict__["_allreduce_non_tensor_model_parallel_grads"])
+    except Exception as exc:  # noqa: BLE001
+        out["gdn_out_norm_tp_sum"] = Accepts.UNKNOWN
+        out["notes"]["gdn_out_norm_tp_sum"] = f"cannot read {FINALIZE_MODULE}: {_why(exc)}"
+        return
+    if "out_norm" in src or "GatedDeltaNet" in src or "gated_delta" in src:
+        out["gdn_out_norm_tp_sum"] = Accepts.YES
+    elif _SELECTS_SP.search(src):
+        out["gdn_out_norm_tp_sum"] = Accepts.NO
+    else:
+        out["gdn_out_norm_tp_sum"] = Accepts.UNKNOWN
+        out["notes"]["gdn_out_norm_tp_sum"] = "_allreduce_non_tensor_model_parallel_grads selects grads in an unknown way"
+
+
 _PASSES_MASK = re.compile(r"self\._checkpointed_forward\((?:[^()]|\([^()]*\))*padding_mask\s*=", re.S)
 
 
@@ -344,6 +367,8 @@ def probe(*, init_cuda: bool = False) -> Facts:
     path = str(mcore.__file__).rsplit("/", 1)[0]
     out["megatron"] = dataclasses.replace(out["megatron"] or Dist("megatron-core", "unknown"), path=path)
     _probe_gdn(out)
+    if out.get("gdn") in (Layout.MODULE, Layout.PACKAGE):
+        _probe_finalize(out)
     _probe_config(out)
     _probe_mtp(out)
     return _facts(out)
@@ -351,7 +376,7 @@ def probe(*, init_cuda: bool = False) -> Facts:
 
 def _facts(out: dict[str, Any]) -> Facts:
     enums = {"gdn": Layout, "gdn_thd": Thd, "gdn_cp": Cp, "gdn_conv": Conv, "mtp": Mtp,
-             "gdn_init_cp_comm_type": Accepts}
+             "gdn_init_cp_comm_type": Accepts, "gdn_out_norm_tp_sum": Accepts}
     for field, kind in enums.items():
         if field in out:
             out[field] = kind(out[field])

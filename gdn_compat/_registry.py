@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -35,19 +36,20 @@ NOTSET: Any = _NotSet()
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """``module.Owner.attr``: the class attribute a patch replaces."""
+    """``module.Owner.attr``: the class attribute a patch replaces; ``owner=""`` for a module-level
+    function that the module's own code looks up at call time."""
 
     module: str
     owner: str
     attr: str
 
     def __str__(self) -> str:
-        return f"{self.module}.{self.owner}.{self.attr}"
+        return ".".join(filter(None, (self.module, self.owner, self.attr)))
 
     def resolve(self) -> tuple[Any, Any]:
-        """(owner class, the object in its ``__dict__`` now, or NOTSET)."""
+        """(owner class or module, the object in its ``__dict__`` now, or NOTSET)."""
         owner: Any = importlib.import_module(self.module)
-        for part in self.owner.split("."):
+        for part in filter(None, self.owner.split(".")):
             owner = getattr(owner, part)
         return owner, owner.__dict__.get(self.attr, NOTSET)
 
@@ -109,18 +111,21 @@ def describe(obj: Any) -> str:
 def foreign(owner: Any, attr: str, obj: Any) -> str | None:
     """None when ``obj`` is the release's own definition of ``owner.attr`` (its qualname, its code
     object's name and file are those of the module that defines ``owner``), else what is there."""
+    module = isinstance(owner, types.ModuleType)
+    name = f"{owner.__name__ if module else owner.__qualname__}.{attr}"
     if obj is NOTSET:  # inherited: the release's own is the base class's definition
-        base = next((c for c in owner.__mro__[1:] if attr in c.__dict__), None)
-        return foreign(base, attr, base.__dict__[attr]) if base else f"{owner.__qualname__} has no {attr}"
+        base = None if module else next((c for c in owner.__mro__[1:] if attr in c.__dict__), None)
+        return foreign(base, attr, base.__dict__[attr]) if base else f"{name} does not exist"
     if getattr(obj, MARKER, None):
-        return f"{owner.__qualname__}.{attr} already carries another gdn_compat's {getattr(obj, MARKER)} replacement"
+        return f"{name} already carries another gdn_compat's {getattr(obj, MARKER)} replacement"
     func = getattr(obj, "__func__", obj)
     code = getattr(func, "__code__", None)
-    home = getattr(sys.modules.get(owner.__module__), "__file__", None)
+    home = getattr(owner if module else sys.modules.get(owner.__module__), "__file__", None)
+    qualname = attr if module else f"{owner.__qualname__}.{attr}"
     if (code is not None and home is not None and code.co_filename == home and code.co_name == attr
-            and getattr(func, "__qualname__", None) == f"{owner.__qualname__}.{attr}"):
+            and getattr(func, "__qualname__", None) == qualname):
         return None
-    return f"{owner.__qualname__}.{attr} is no longer the release's own: {describe(obj)}"
+    return f"{name} is no longer the release's own: {describe(obj)}"
 
 
 def switches_from(names: tuple[str, ...], switches: dict[str, bool]) -> dict[str, str]:

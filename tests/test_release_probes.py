@@ -13,16 +13,16 @@ from gdn_compat._probe import Accepts
 from tests.support.release import FACTS, MEGATRON
 
 GDN_16 = dict(gdn="module", gdn_thd="refuses", gdn_cp="none", config=True, comm=Accepts.NO, mtp="generic",
-              needs={"gdn_thd", "config_gdn_cp", "gdn_cp_comm_type"})
+              needs={"gdn_thd", "config_gdn_cp", "gdn_cp_comm_type", "gdn_out_norm_tp_grad"})
 GENERATION = {
     "0.15": dict(gdn="absent", gdn_thd="absent", gdn_cp="absent", config=False, comm=Accepts.ABSENT, mtp="generic",
                  needs=set()),
     "0.16": GDN_16,
     "0.17": GDN_16,
     "0.18": dict(gdn="module", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.NO,
-                 mtp="no_padding_mask", needs={"gdn_cp_comm_type", "mtp_padding_mask"}),
+                 mtp="no_padding_mask", needs={"gdn_cp_comm_type", "gdn_out_norm_tp_grad", "mtp_padding_mask"}),
     "0.19": dict(gdn="package", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.YES,
-                 mtp="has_padding_mask", needs=set()),
+                 mtp="has_padding_mask", needs={"gdn_out_norm_tp_grad"}),
 }
 release = ".".join((MEGATRON or "none").split(".")[:2])
 expected = GENERATION.get(release)
@@ -42,6 +42,10 @@ def test_gdn_context_parallel_in_the_layer_and_in_the_config():
     assert FACTS.gdn_cp == expected["gdn_cp"]
     assert FACTS.config_refuses_gdn_cp is expected["config"]
     assert FACTS.gdn_init_cp_comm_type is expected["comm"]
+
+
+def test_tp_reduction_of_gdn_out_norm_is_missing_wherever_gdn_exists():
+    assert FACTS.gdn_out_norm_tp_sum is (Accepts.ABSENT if expected["gdn"] == "absent" else Accepts.NO)
 
 
 def test_mtp_checkpointed_forward_generation():

@@ -21,6 +21,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _NoStream:
+    def wait_event(self, event) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def cpu_stand_ins() -> Iterator[None]:
     """CPU stand-ins for the CUDA-only pieces a GatedDeltaNet / GPTModel touches, undone on exit."""
@@ -35,6 +40,8 @@ def cpu_stand_ins() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch._dynamo.config, "disable", True)  # jit_fuser would compile per shape, slowly
         mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+        # 0.19's DDP asks for the current stream before every grad sync (to wait on CUDA-graph events)
+        mp.setattr(torch.cuda, "current_stream", lambda *a, **k: _NoStream())
         mp.setattr(mrandom.CudaRNGStatesTracker, "fork", fork)
         mp.setattr(mrandom, "_get_all_rng_states", lambda: {})
         mp.setattr(mrandom, "_set_all_rng_states", lambda *a, **k: None)
