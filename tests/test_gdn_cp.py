@@ -16,20 +16,13 @@ import pytest
 import torch
 
 import gdn_compat
-from tests.support.gdn import build_gdn, l2norm_ref, packed, shard
+from tests.support.gdn import build_gdn, l2norm_ref, packed, packed_run, shard
 from tests.support.release import skip_reason
 
 pytestmark = pytest.mark.skipif(skip_reason("gdn_thd") is not None, reason=str(skip_reason("gdn_thd")))
 SHAPE = dict(hidden=32, dk=8, dv=8, hk=4, hv=8)  # GQA, heads divisible by cp = 4
 BSHD = (16, 2)  # sequence length, batch
 THD_ACTUAL, THD_PADDED = [0, 5, 20, 27], [0, 8, 24, 32]  # padded lengths 8, 16, 8: divisible by 2 x 4
-
-
-def run(m, x, psp):
-    x = x.detach().clone().requires_grad_(True)
-    m.zero_grad(set_to_none=True)
-    out, _ = m(x, None, packed_seq_params=psp)
-    return out, x
 
 
 def cases():
@@ -46,10 +39,8 @@ def reference(path: str, device: str) -> None:
     results = {"state": m.state_dict()}
     for name, (x, cu, _, weight) in cases().items():
         psp = None if cu is None else packed(cu[0], padded=cu[1])
-        out, xg = run(m, x.to(device), psp)
-        (out * weight(out).to(device)).sum().backward()
-        results[name] = {"out": out.detach().cpu(), "gx": xg.grad.cpu(),
-                         "grads": {n: p.grad.detach().cpu() for n, p in m.named_parameters()}}
+        out, gx, grads = packed_run(m, x.to(device), psp, weight(x).to(device))
+        results[name] = {"out": out.cpu(), "gx": gx.cpu(), "grads": {n: g.cpu() for n, g in grads.items()}}
     torch.save(results, path)
 
 
@@ -65,16 +56,14 @@ def check_cp(m, ref, rank: int, cp: int, group, device: str) -> None:
     m.pg_collection.cp = group
     for name, (x, cu, lengths, weight) in cases().items():
         psp = None if cu is None else packed(cu[0], padded=cu[1])
-        out, xg = run(m, shard(x, lengths, cp, rank).to(device), psp)
         w = shard(weight(ref[name]["out"]), lengths, cp, rank).to(device)
-        (out * w).sum().backward()
+        out, gx, grads = packed_run(m, shard(x, lengths, cp, rank).to(device), psp, w)
         where = f"{name}, cp={cp}, rank {rank}"
-        torch.testing.assert_close(out.detach().cpu(), shard(ref[name]["out"], lengths, cp, rank), **tol,
+        torch.testing.assert_close(out.cpu(), shard(ref[name]["out"], lengths, cp, rank), **tol,
                                    msg=lambda msg, w=where: f"output {w}: {msg}")
-        torch.testing.assert_close(xg.grad.cpu(), shard(ref[name]["gx"], lengths, cp, rank), **tol,
+        torch.testing.assert_close(gx.cpu(), shard(ref[name]["gx"], lengths, cp, rank), **tol,
                                    msg=lambda msg, w=where: f"input grad {w}: {msg}")
-        for pname, p in m.named_parameters():
-            grad = p.grad.detach().clone()
+        for pname, grad in grads.items():
             dist.all_reduce(grad, group=group)  # Megatron reduces gradients over data x context ranks
             torch.testing.assert_close(grad.cpu(), ref[name]["grads"][pname], **tol,
                                        msg=lambda msg, w=where, q=pname: f"grad {q} {w}: {msg}")

@@ -7,7 +7,7 @@ import torch
 
 import gdn_compat
 from gdn_compat.patches import gdn_thd
-from tests.support.gdn import build_gdn, l2norm_ref, offsets, packed, reference_gdn
+from tests.support.gdn import build_gdn, l2norm_ref, offsets, packed, packed_run, reference_gdn
 from tests.support.release import skip_reason
 
 pytestmark = pytest.mark.skipif(skip_reason("gdn_thd") is not None, reason=str(skip_reason("gdn_thd")))
@@ -34,17 +34,6 @@ def patched():
         yield report
 
 
-def _run(m, x, psp):
-    x = x.detach().clone().requires_grad_(True)
-    m.zero_grad(set_to_none=True)
-    out, bias = m(x, None, packed_seq_params=psp)
-    assert bias is None
-    weight = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
-    (out * weight).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
-    return out.detach(), x.grad.detach(), grads
-
-
 def _per_sequence(m, x, spans):
     """The ground truth: the release's own forward, one sequence at a time, same loss weights."""
     T = x.shape[0]
@@ -66,7 +55,7 @@ def _spans(cu):
 def test_thd_matches_per_sequence_runs_of_the_release(patched):
     m = build_gdn(deterministic=True)  # the release's CPU path for the per-sequence ground truth
     x = torch.randn(CU[-1], 1, 64)
-    out, gx, grads = _run(m, x, packed(CU))
+    out, gx, grads = packed_run(m, x, packed(CU))
     ref_out, ref_gx, ref_grads = _per_sequence(m, x, _spans(CU))
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
     torch.testing.assert_close(gx, ref_gx, rtol=0, atol=1e-6)
@@ -79,7 +68,7 @@ def test_thd_matches_independent_token_by_token_reference(patched):
     m = build_gdn(deterministic=False)  # CPU tensors take the pure-torch path without deterministic_mode
     cu = CU[:8]
     x = torch.randn(cu[-1], 1, 64)
-    out, gx, grads = _run(m, x, packed(cu))
+    out, gx, grads = packed_run(m, x, packed(cu))
     params = {n: p.detach().double().requires_grad_(True) for n, p in m.named_parameters()}
     xr = x[:, 0].double().requires_grad_(True)
     ref = reference_gdn(params, CFG, xr, _spans(cu))
@@ -94,12 +83,12 @@ def test_thd_matches_independent_token_by_token_reference(patched):
 def test_no_state_leaks_between_packed_sequences(patched):
     m = build_gdn()
     x = torch.randn(CU[-1], 1, 64)
-    base, _, _ = _run(m, x, packed(CU))
+    base, _, _ = packed_run(m, x, packed(CU))
     for j in (0, 1, 4, len(LENGTHS) - 1):  # perturb one sequence at a time
         a, b = CU[j], CU[j + 1]
         y = x.clone()
         y[a:b] += 1.0
-        out, _, _ = _run(m, y, packed(CU))
+        out, _, _ = packed_run(m, y, packed(CU))
         assert not torch.equal(out[a:b], base[a:b])
         keep = torch.ones(CU[-1], dtype=torch.bool)
         keep[a:b] = False
@@ -110,7 +99,7 @@ def test_padded_cu_seqlens_define_the_sequences(patched):
     m = build_gdn(deterministic=True)
     actual, padded = [0, 5, 12, 13], [0, 8, 16, 24]  # alignment padding (e.g. for FP8) inside the pack
     x = torch.randn(padded[-1], 1, 64)
-    out, gx, _ = _run(m, x, packed(actual, padded=padded))
+    out, gx, _ = packed_run(m, x, packed(actual, padded=padded))
     ref_out, ref_gx, _ = _per_sequence(m, x, _spans(padded))
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
     torch.testing.assert_close(gx, ref_gx, rtol=0, atol=1e-6)
@@ -121,7 +110,7 @@ def test_gqa_with_four_value_heads_per_key_head(patched):
     m = build_gdn(hk=1, hv=4)
     cu = [0, 3, 40, 41]
     x = torch.randn(cu[-1], 1, 64)
-    out, _, _ = _run(m, x, packed(cu))
+    out, _, _ = packed_run(m, x, packed(cu))
     ref = reference_gdn(dict(m.named_parameters()), cfg, x[:, 0], _spans(cu))
     torch.testing.assert_close(out[:, 0].double(), ref.detach(), rtol=1e-4, atol=1e-5)
 
@@ -129,8 +118,8 @@ def test_gqa_with_four_value_heads_per_key_head(patched):
 def test_zero_length_sequences_are_dropped_exactly(patched):
     m = build_gdn()
     x = torch.randn(20, 1, 64)
-    with_empty, _, _ = _run(m, x, packed([0, 0, 7, 7, 7, 20, 20]))
-    without, _, _ = _run(m, x, packed([0, 7, 20]))
+    with_empty, _, _ = packed_run(m, x, packed([0, 0, 7, 7, 7, 20, 20]))
+    without, _, _ = packed_run(m, x, packed([0, 7, 20]))
     assert torch.equal(with_empty, without)
 
 

@@ -51,14 +51,6 @@ SKIP = _applies()
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 
 
-def _run(m, x, psp, dy):
-    x = x.detach().clone().requires_grad_(True)
-    m.zero_grad(set_to_none=True)
-    out, _ = m(x, None, packed_seq_params=psp)
-    out.backward(dy)
-    return out.detach(), x.grad.detach(), {n: p.grad.detach().float() for n, p in m.named_parameters()}
-
-
 def _worker(rank: int, port: int, queue) -> None:
     from tests.support.megatron import world
 
@@ -70,7 +62,7 @@ def _check(rank: int, queue) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from tests.support.gdn import build_gdn, packed, shard
+    from tests.support.gdn import build_gdn, packed, packed_run, shard
 
     solo = [dist.new_group([r]) for r in range(2)]  # every rank creates every group
     kw = dict(device="cuda", dtype=torch.bfloat16, **SHAPE)
@@ -88,8 +80,9 @@ def _check(rank: int, queue) -> None:
     for name, (x, psp, lengths) in cases.items():
         x = x.to(torch.bfloat16)
         dy = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
-        out1, gx1, g1 = _run(m1, x.cuda(), psp, dy.cuda())
-        out2, gx2, g2 = _run(m2, shard(x, lengths, 2, rank).cuda(), psp, shard(dy, lengths, 2, rank).cuda())
+        out1, gx1, g1 = packed_run(m1, x.cuda(), psp, dy.cuda())
+        out2, gx2, g2 = packed_run(m2, shard(x, lengths, 2, rank).cuda(), psp, shard(dy, lengths, 2, rank).cuda())
+        g1, g2 = ({n: g.float() for n, g in gs.items()} for gs in (g1, g2))
         for g in g2.values():
             dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
         errors[name] = {

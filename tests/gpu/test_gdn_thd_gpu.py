@@ -13,7 +13,7 @@ import torch
 
 import gdn_compat
 from gdn_compat.patches import gdn_thd
-from tests.support.gdn import QWEN3_NEXT, build_gdn, host_syncs, offsets, packed, rel
+from tests.support.gdn import QWEN3_NEXT, build_gdn, host_syncs, offsets, packed, packed_run, rel
 from tests.support.release import FACTS, MEGATRON
 
 CU = offsets([1, 70, 300, 64, 129, 5, 431])  # 1000 tokens
@@ -35,15 +35,11 @@ def thd_ready(megatron_cpu):
 
 def fwd_bwd(m, x, cu_list, seed=0):
     gdn_thd.PACKS.clear()
-    x = x.detach().clone().requires_grad_(True)
-    m.zero_grad(set_to_none=True)
     psp = packed(cu_list)
     psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda()
-    out, _ = m(x, None, packed_seq_params=psp)
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    dy = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=gen)
-    out.backward(dy)
-    return out.detach(), x.grad.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters()}, dy
+    dy = torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=gen)  # GDN output has x's shape
+    return (*packed_run(m, x, psp, dy), dy)
 
 
 def per_sequence(m, x, dy):

@@ -129,3 +129,16 @@ def reference_gdn(params: dict, cfg: dict, x: torch.Tensor, spans) -> torch.Tens
         y = rms * F.silu(z[start:end].reshape(L, hv, dv))
         out[start:end] = y.reshape(L, v_dim)
     return out @ p["out_proj.weight"].t()
+
+
+def packed_run(m, x: torch.Tensor, psp, dy: torch.Tensor | None = None):
+    """One forward + backward of a GDN layer on a fresh leaf copy of ``x``: (output, input grad,
+    {parameter: grad}), all detached. ``dy`` is the output gradient (default: a fixed ramp)."""
+    x = x.detach().clone().requires_grad_(True)
+    m.zero_grad(set_to_none=True)
+    out, bias = m(x, None, packed_seq_params=psp)
+    assert bias is None
+    if dy is None:
+        dy = torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape).to(out.dtype)
+    out.backward(dy)
+    return out.detach(), x.grad.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters()}
