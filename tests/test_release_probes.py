@@ -13,10 +13,11 @@ from gdn_compat._probe import Accepts
 from tests.support.release import FACTS, MEGATRON
 
 GDN_16 = dict(gdn="module", gdn_thd="refuses", gdn_cp="none", config=True, comm=Accepts.NO, mtp="generic",
-              needs={"gdn_thd", "config_gdn_cp", "gdn_cp_comm_type", "gdn_out_norm_tp_grad"})
+              needs={"gdn_thd", "config_gdn_cp", "gdn_cp_comm_type", "gdn_out_norm_tp_grad",
+                     "mtp_packed_recompute"})
 GENERATION = {
     "0.15": dict(gdn="absent", gdn_thd="absent", gdn_cp="absent", config=False, comm=Accepts.ABSENT, mtp="generic",
-                 needs=set()),
+                 needs={"mtp_packed_recompute"}),
     "0.16": GDN_16,
     "0.17": GDN_16,
     "0.18": dict(gdn="module", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.NO,

@@ -4,7 +4,14 @@ A patch is one module (``mtp_padding_mask.py``) or, when large, one package (``g
 ``__init__`` holds the decision and the wiring. Each exposes ``PATCH``.
 """
 
-from gdn_compat.patches import config_gdn_cp, gdn_cp_comm_type, gdn_out_norm_tp_grad, gdn_thd, mtp_padding_mask
+from gdn_compat.patches import (
+    config_gdn_cp,
+    gdn_cp_comm_type,
+    gdn_out_norm_tp_grad,
+    gdn_thd,
+    mtp_packed_recompute,
+    mtp_padding_mask,
+)
 
 PATCHES = (gdn_thd.PATCH, config_gdn_cp.PATCH, gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH,
-           mtp_padding_mask.PATCH)
+           mtp_packed_recompute.PATCH, mtp_padding_mask.PATCH)
