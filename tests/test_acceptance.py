@@ -27,6 +27,7 @@ import torch
 
 import gdn_compat
 from tests.support import model as M
+from tests.support.gdn import use_torch_l2norm
 from tests.support.release import FACTS, MEGATRON, skip_reason
 
 pytestmark = pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release} has no GatedDeltaNet")
@@ -51,17 +52,6 @@ NATIVE_THD = FACTS.gdn_thd == "native"  # 0.18/0.19: upstream's packed path, CUD
 def _cell_id(cell, recompute):
     tp, sp, cp = cell
     return f"tp{tp}-sp{'on' if sp else 'off'}-cp{cp}-{'full' if recompute else 'none'}"
-
-
-def _use_torch_l2norm(monkeypatch) -> None:
-    """The release's unpacked GDN calls fla's Triton l2norm; on the CPU give it a torch one."""
-    import sys
-
-    from tests.support.gdn import l2norm_ref
-
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("megatron.core.ssm.gated_delta_net") and hasattr(mod, "l2norm"):
-            monkeypatch.setattr(mod, "l2norm", l2norm_ref)
 
 
 def _reference(path: str) -> None:
@@ -138,7 +128,7 @@ def _worker(rank: int, world: int, port: int, ref_path: str, out_path: str, cell
 
     results = {}
     with megatron_world(rank, world, port=port), pytest.MonkeyPatch.context() as mp:
-        _use_torch_l2norm(mp)
+        use_torch_l2norm(mp)
         ref = torch.load(ref_path)
         for cell, recompute in cells:
             tp, sp, cp = cell
@@ -166,7 +156,7 @@ def matrix(megatron_cpu):
     from tests.support.megatron import free_port
 
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patcher:
-        _use_torch_l2norm(patcher)
+        use_torch_l2norm(patcher)
         ref_path, out_path = os.path.join(tmp, "ref.pt"), os.path.join(tmp, "out.pt")
         _reference(ref_path)
         two = [(c, r) for c in CELLS if c[0] * c[2] == 2 for r in (False, True)]

@@ -18,6 +18,7 @@ import torch
 
 import gdn_compat
 from tests.support import model as M
+from tests.support.gdn import use_torch_l2norm
 from tests.support.release import FACTS, skip_reason
 
 pytestmark = pytest.mark.skipif(skip_reason("gdn_out_norm_tp_grad") is not None,
@@ -31,16 +32,6 @@ def _batch():
     ids = torch.randint(1, M.VOCAB, (1, SEQ), generator=gen)
     return dict(input_ids=ids, position_ids=torch.arange(SEQ)[None], attention_mask=None,
                 labels=torch.randint(1, M.VOCAB, (1, SEQ), generator=gen))
-
-
-def _use_torch_l2norm(mp) -> None:
-    import sys
-
-    from tests.support.gdn import l2norm_ref
-
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("megatron.core.ssm.gated_delta_net") and hasattr(mod, "l2norm"):
-            mp.setattr(mod, "l2norm", l2norm_ref)
 
 
 def _reference(path: str) -> None:
@@ -82,7 +73,7 @@ def _worker(rank: int, port: int, ref_path: str, out_path: str) -> None:
 
     results = {}
     with world(rank, 2, tp=2, port=port), pytest.MonkeyPatch.context() as mp:
-        _use_torch_l2norm(mp)
+        use_torch_l2norm(mp)
         ref = torch.load(ref_path)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         for patched in (False, True):
@@ -108,7 +99,7 @@ def runs(megatron_cpu):
     from tests.support.megatron import free_port
 
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patcher:
-        _use_torch_l2norm(patcher)
+        use_torch_l2norm(patcher)
         ref_path, out_path = os.path.join(tmp, "ref.pt"), os.path.join(tmp, "out-{rank}.pt")
         _reference(ref_path)
         mp.spawn(_worker, args=(free_port(), ref_path, out_path), nprocs=2, join=True)

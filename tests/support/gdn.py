@@ -142,3 +142,13 @@ def packed_run(m, x: torch.Tensor, psp, dy: torch.Tensor | None = None):
         dy = torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape).to(out.dtype)
     out.backward(dy)
     return out.detach(), x.grad.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+
+
+def use_torch_l2norm(monkeypatch) -> None:
+    """The release's unpacked GDN calls fla's Triton l2norm; on the CPU give it a torch one, in
+    every module of this release's GDN that looks it up (0.19 splits GDN into a package)."""
+    import sys
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("megatron.core.ssm.gated_delta_net") and hasattr(mod, "l2norm"):
+            monkeypatch.setattr(mod, "l2norm", l2norm_ref)
