@@ -189,7 +189,9 @@ class Registry:
         except Exception as exc:  # noqa: BLE001 - a missing symbol is a skip, never a crash
             return record("skipped", patch.decide(facts)
                           or f"not patched: cannot resolve {patch.target}: {type(exc).__name__}: {exc}")
-        # Someone else's object first: the probed facts describe it, not the release.
+        # Our own replacement (another patch of this registry on the same target) is judged by the
+        # release object underneath it; someone else's object first: the facts describe it, not the release.
+        current = next((old for _, _, old, new in self.undo if new is current), current)
         other = foreign(owner, patch.target.attr, current)
         if other and patch.name not in force:
             return record("skipped", f"not patched: {other}; apply(force=[{patch.name!r}]) replaces it anyway")

@@ -72,6 +72,17 @@ def test_plan_says_would_apply_where_apply_says_applied():
     assert all(again[n] == ("applied", "already applied") for n, s in done.items() if s == "applied")
 
 
+def test_after_apply_the_plan_keeps_every_skip_reason():
+    """Two patches may share a target (0.15-0.17: mtp_packed_recompute and mtp_padding_mask); our own
+    replacement of it must not turn the other's reason into 'someone else replaced it'."""
+    before = {r.name: r for r in gdn_compat.plan()}
+    with gdn_compat.applied():
+        after = {r.name: r for r in gdn_compat.plan()}
+    for name, rec in before.items():
+        expected = ("applied", "already applied") if rec.status == "would_apply" else (rec.status, rec.reason)
+        assert (after[name].status, after[name].reason) == expected, name
+
+
 def test_doctor_json_is_machine_readable_and_agrees_with_the_plan():
     out = subprocess.run([sys.executable, "-m", "gdn_compat", "--json"], capture_output=True, text=True, cwd=ROOT)
     data = json.loads(out.stdout)
