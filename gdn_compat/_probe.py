@@ -71,6 +71,15 @@ class Mtp(_Value):
     UNKNOWN = "unknown"
 
 
+class Roll(_Value):
+    """How ``multi_token_prediction._roll_tensor_packed_seq`` finds sequence boundaries."""
+
+    ABSENT = "absent"
+    UNPADDED = "by cu_seqlens_q"  # 0.16-0.19.2: ignores cu_seqlens_q_padded (the hole)
+    PADDED = "by cu_seqlens_q_padded"
+    UNKNOWN = "unknown"
+
+
 class Accepts(_Value):
     YES = "yes"
     NO = "no"
@@ -136,6 +145,7 @@ class Facts:
     config_refuses_gdn_cp: bool = False  # TransformerConfig asserts cp == 1 for gated_delta_net
     gdn_out_norm_tp_sum: Accepts = Accepts.ABSENT  # finalize_model_grads sums GDN out_norm grads over tp
     mtp: Mtp = Mtp.ABSENT
+    mtp_roll: Roll = Roll.ABSENT  # the MTP roll of a packed micro-batch
     notes: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
@@ -289,10 +299,50 @@ def _mtp_shape(cls: Any) -> tuple[Mtp, str]:
     return Mtp.NO_PADDING_MASK, ""
 
 
+ROLL_PARAMS = ("tensor", "shifts", "dims", "packed_seq_params", "cp_group")
+
+
+def _roll_shape(mod: Any) -> tuple[Roll, str]:
+    """Run the release's packed roll once on a tiny CPU pack laid out by padded slots: sequences of
+    2 and 3 tokens in slots of 4, values 1..8. Rolling by the padded slots gives [2,0,0,0, 6,7,0,0];
+    by the unpadded offsets [0,2,5] (the hole) it gives [2,0, 4,5,0, 6,7,8]."""
+    import types
+
+    import torch
+
+    func, roll = mod.__dict__.get("_roll_tensor_packed_seq"), mod.__dict__.get("roll_tensor")
+    if func is None or roll is None:
+        return Roll.ABSENT, ""
+    if tuple(inspect.signature(func).parameters) != ROLL_PARAMS:
+        return Roll.UNKNOWN, f"_roll_tensor_packed_seq{inspect.signature(func)} is not {ROLL_PARAMS}"
+    if not re.search(r"\breturn\s+_roll_tensor_packed_seq\(", inspect.getsource(roll)):
+        return Roll.UNKNOWN, "roll_tensor does not hand packed input to _roll_tensor_packed_seq"
+    unpadded, padded = torch.tensor([0, 2, 5]), torch.tensor([0, 4, 8])
+    psp = types.SimpleNamespace(qkv_format="thd", cu_seqlens_q=unpadded, cu_seqlens_kv=unpadded,
+                                cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)
+    try:
+        got = func(torch.arange(1, 9)[None], -1, -1, psp, None)[0][0].tolist()
+    except Exception as exc:  # noqa: BLE001 - an unknown shape, not a crash
+        return Roll.UNKNOWN, f"_roll_tensor_packed_seq failed on a padded pack: {_why(exc)}"
+    if got == [2, 0, 0, 0, 6, 7, 0, 0]:
+        return Roll.PADDED, ""
+    if got == [2, 0, 4, 5, 0, 6, 7, 8]:
+        return Roll.UNPADDED, ""
+    return Roll.UNKNOWN, f"_roll_tensor_packed_seq rolls a padded pack in an unknown way: {got}"
+
+
 def _probe_mtp(out: dict[str, Any]) -> None:
     mod = _import(MTP_MODULE, out, "mtp")
     if mod is None:
+        if out.get("mtp") == "unknown":
+            out["mtp_roll"] = Roll.UNKNOWN
         return
+    try:
+        out["mtp_roll"], note = _roll_shape(mod)
+    except (TypeError, OSError, ValueError) as exc:
+        out["mtp_roll"], note = Roll.UNKNOWN, f"cannot read _roll_tensor_packed_seq: {_why(exc)}"
+    if note:
+        out["notes"]["mtp_roll"] = note
     cls = getattr(mod, "MultiTokenPredictionLayer", None)
     try:
         if cls is None or not hasattr(cls, "_checkpointed_forward"):
@@ -360,7 +410,7 @@ def probe(*, init_cuda: bool = False) -> Facts:
     except ModuleNotFoundError:
         return _facts(out)
     except Exception as exc:  # noqa: BLE001
-        for field in ("gdn", "gdn_thd", "gdn_cp", "mtp"):
+        for field in ("gdn", "gdn_thd", "gdn_cp", "mtp", "mtp_roll"):
             out[field] = "unknown"
             out["notes"][field] = f"megatron.core failed to import: {_why(exc)}"
         return _facts(out)
@@ -375,7 +425,7 @@ def probe(*, init_cuda: bool = False) -> Facts:
 
 
 def _facts(out: dict[str, Any]) -> Facts:
-    enums = {"gdn": Layout, "gdn_thd": Thd, "gdn_cp": Cp, "gdn_conv": Conv, "mtp": Mtp,
+    enums = {"gdn": Layout, "gdn_thd": Thd, "gdn_cp": Cp, "gdn_conv": Conv, "mtp": Mtp, "mtp_roll": Roll,
              "gdn_init_cp_comm_type": Accepts, "gdn_out_norm_tp_sum": Accepts}
     for field, kind in enums.items():
         if field in out:

@@ -13,17 +13,19 @@ from gdn_compat._probe import Accepts
 from tests.support.release import FACTS, MEGATRON
 
 GDN_16 = dict(gdn="module", gdn_thd="refuses", gdn_cp="none", config=True, comm=Accepts.NO, mtp="generic",
+              roll="by cu_seqlens_q",
               needs={"gdn_thd", "config_gdn_cp", "gdn_cp_comm_type", "gdn_out_norm_tp_grad",
-                     "mtp_packed_recompute"})
+                     "mtp_packed_recompute", "mtp_packed_roll"})
 GENERATION = {
     "0.15": dict(gdn="absent", gdn_thd="absent", gdn_cp="absent", config=False, comm=Accepts.ABSENT, mtp="generic",
-                 needs={"mtp_packed_recompute"}),
+                 roll="absent", needs={"mtp_packed_recompute"}),
     "0.16": GDN_16,
     "0.17": GDN_16,
     "0.18": dict(gdn="module", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.NO,
-                 mtp="no_padding_mask", needs={"gdn_cp_comm_type", "gdn_out_norm_tp_grad", "mtp_padding_mask"}),
+                 mtp="no_padding_mask", roll="by cu_seqlens_q",
+                 needs={"gdn_cp_comm_type", "gdn_out_norm_tp_grad", "mtp_padding_mask", "mtp_packed_roll"}),
     "0.19": dict(gdn="package", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.YES,
-                 mtp="has_padding_mask", needs={"gdn_out_norm_tp_grad"}),
+                 mtp="has_padding_mask", roll="by cu_seqlens_q", needs={"gdn_out_norm_tp_grad", "mtp_packed_roll"}),
 }
 release = ".".join((MEGATRON or "none").split(".")[:2])
 expected = GENERATION.get(release)
@@ -51,6 +53,10 @@ def test_tp_reduction_of_gdn_out_norm_is_missing_wherever_gdn_exists():
 
 def test_mtp_checkpointed_forward_generation():
     assert FACTS.mtp == expected["mtp"]
+
+
+def test_mtp_roll_of_a_padded_pack_is_read_by_running_it():
+    assert FACTS.mtp_roll == expected["roll"]
 
 
 def test_exactly_the_needed_patches_are_selected():

@@ -21,9 +21,12 @@ from gdn_compat.patches.gdn_thd import context_parallel as cpx
 class Pack:
     cu: torch.Tensor  # device cu_seqlens handed to fla (zero-length sequences removed)
     cu_cpu: torch.Tensor  # the same offsets on the host
-    spans: tuple[tuple[int, int], ...]  # (start, end) of every non-empty sequence
+    spans: tuple[tuple[int, int], ...]  # (start, end) of every non-empty sequence (its padded slot)
+    ends: tuple[int, ...] = ()  # where each span's real tokens end (cu_seqlens_q; < end when padded)
     perm: torch.Tensor | None = None  # context parallel: received rows -> global token order
     inverse: torch.Tensor | None = None  # and back
+    # what other users of the same pack derive from it once (the MTP roll's index), by their own key
+    memo: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
@@ -161,14 +164,16 @@ def pack_for(psp: Any, total: int, device: torch.device, cp: int = 1) -> Pack:
     for name, t in given.items():
         host[name], at = flat[at: at + t.numel()], at + t.numel()
     name, layout = _layout(host, total, cp)
-    spans = tuple((a, b) for a, b in zip(layout, layout[1:]) if b > a)
+    actual = host.get("cu_seqlens_q", layout) if name == "cu_seqlens_q_padded" else layout
+    slots = [(a, b, a + n1 - n0) for a, b, n0, n1 in zip(layout, layout[1:], actual, actual[1:]) if b > a]
+    spans, ends = tuple((a, b) for a, b, _ in slots), tuple(e for _, _, e in slots)
     offsets = [0] + [b for _, b in spans]
     source = given[name]
     cu_cpu = torch.tensor(offsets, dtype=source.dtype)
     # nothing dropped: hand the caller's own tensor to fla, as upstream does
     cu = source if len(offsets) == source.numel() and source.device == device else to_device(cu_cpu, device)
     perm, inverse = _cp_perm([b - a for a, b in zip(layout, layout[1:])], cp, device)
-    pack = Pack(cu=cu, cu_cpu=cu_cpu, spans=spans, perm=perm, inverse=inverse)
+    pack = Pack(cu=cu, cu_cpu=cu_cpu, spans=spans, ends=ends, perm=perm, inverse=inverse)
     PACKS.put(key, pack)
     return pack
 
@@ -180,4 +185,5 @@ def rows_pack(length: int, rows: int, cp: int, device: torch.device) -> Pack:
     cu_cpu = torch.tensor(offsets, dtype=torch.int32)
     perm, inverse = _cp_perm([length], cp, device)
     spans = tuple(zip(offsets, offsets[1:]))
-    return Pack(cu=to_device(cu_cpu, device), cu_cpu=cu_cpu, spans=spans, perm=perm, inverse=inverse)
+    return Pack(cu=to_device(cu_cpu, device), cu_cpu=cu_cpu, spans=spans, ends=tuple(offsets[1:]), perm=perm,
+                inverse=inverse)
