@@ -27,6 +27,12 @@ GDN_LEGACY_PARAMS = (
     "self", "hidden_states", "attention_mask", "key_value_states", "inference_context",
     "attention_bias", "packed_seq_params", "sequence_len_offset", "inference_params", "kwargs",
 )
+# The 0.18/0.19 GatedDeltaNet.forward parameters (native THD); gdn_thd_deterministic wraps exactly these.
+GDN_NATIVE_PARAMS = (
+    "self", "hidden_states", "attention_mask", "inference_context", "packed_seq_params", "sequence_len_offset",
+    "inference_params", "kwargs",
+)
+DETERMINISTIC_THD_REFUSAL = "Packed sequence does not support deterministic mode"
 
 
 class _Value(str, enum.Enum):
@@ -142,6 +148,7 @@ class Facts:
     gdn_cp: Cp = Cp.ABSENT
     gdn_conv: Conv = Conv.ABSENT  # the unpacked conv of this release's GDN
     gdn_init_cp_comm_type: Accepts = Accepts.ABSENT  # GatedDeltaNet.__init__(cp_comm_type=)
+    gdn_thd_deterministic: Accepts = Accepts.ABSENT  # native THD forward runs in deterministic_mode (NO: asserts)
     config_refuses_gdn_cp: bool = False  # TransformerConfig asserts cp == 1 for gated_delta_net
     gdn_out_norm_tp_sum: Accepts = Accepts.ABSENT  # finalize_model_grads sums GDN out_norm grads over tp
     mtp: Mtp = Mtp.ABSENT
@@ -239,11 +246,31 @@ def _probe_gdn(out: dict[str, Any]) -> None:
         and callable(getattr(defining, "torch_chunk_gated_delta_rule", None))
         and "l2norm" in vars(defining or object)
     )
+    _probe_deterministic_thd(out, cls, defining, params, src)
     if out["gdn_legacy_shape"]:
         has_pkg = getattr(defining, "causal_conv1d_fn", None) is not None
         out["gdn_conv"] = Conv.CAUSAL_CONV1D if has_pkg else Conv.NN_CONV1D
     else:
         out["gdn_conv"] = Conv.FLA if out["gdn_thd"] is Thd.NATIVE else Conv.UNKNOWN
+
+
+def _probe_deterministic_thd(out: dict[str, Any], cls: Any, defining: Any, params: tuple, src: str) -> None:
+    """0.18/0.19: native THD, but ``assert not deterministic_mode`` for packed input (upstream #5718)."""
+    if out["gdn_thd"] is Thd.REFUSES:
+        return  # no native THD: gdn_thd gives deterministic packing along with THD
+    if out["gdn_thd"] is not Thd.NATIVE:
+        out["gdn_thd_deterministic"] = Accepts.UNKNOWN
+        return
+    if DETERMINISTIC_THD_REFUSAL not in src:
+        out["gdn_thd_deterministic"] = Accepts.UNKNOWN
+        out["notes"]["gdn_thd_deterministic"] = "GatedDeltaNet.forward no longer carries the deterministic THD assertion"
+    elif not (params == GDN_NATIVE_PARAMS and callable(getattr(cls, "_apply_gated_norm", None))
+              and callable(getattr(defining, "torch_chunk_gated_delta_rule", None))):
+        out["gdn_thd_deterministic"] = Accepts.UNKNOWN
+        out["notes"]["gdn_thd_deterministic"] = ("GatedDeltaNet refuses deterministic THD, but its forward "
+                                                 "signature or helpers differ from 0.18/0.19")
+    else:
+        out["gdn_thd_deterministic"] = Accepts.NO
 
 
 def _probe_config(out: dict[str, Any]) -> None:
@@ -426,7 +453,7 @@ def probe(*, init_cuda: bool = False) -> Facts:
 
 def _facts(out: dict[str, Any]) -> Facts:
     enums = {"gdn": Layout, "gdn_thd": Thd, "gdn_cp": Cp, "gdn_conv": Conv, "mtp": Mtp, "mtp_roll": Roll,
-             "gdn_init_cp_comm_type": Accepts, "gdn_out_norm_tp_sum": Accepts}
+             "gdn_init_cp_comm_type": Accepts, "gdn_out_norm_tp_sum": Accepts, "gdn_thd_deterministic": Accepts}
     for field, kind in enums.items():
         if field in out:
             out[field] = kind(out[field])

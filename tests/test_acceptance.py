@@ -10,9 +10,10 @@ tensor-parallel shards to full shape and compares every parameter gradient and e
 loss. fp32 on the CPU (gloo); bound: relative error (2-norm) <= 1e-5, GDN's
 gate parameters (A_log, dt_bias) <= 1e-4 (see GATE_BOUND).
 
-Known holes are strict expected failures naming the patch that closes them:
+Known holes are strict expected failures naming the patch that closes them (each turns green
+exactly when its patch applies):
 - 0.18/0.19 run packed GDN only through fla's Triton kernels, and refuse THD in deterministic mode
-  (the only mode their GDN runs on a CPU): ``gdn_thd_deterministic`` (#15).
+  (the only mode their GDN runs on a CPU) unless ``gdn_thd_deterministic`` (#15) applies.
 - tp = 2 without sequence parallelism, where ``gdn_out_norm_tp_grad`` (#14) is not applied: GDN's
   out_norm gradient is each rank's partial sum; every other gradient must match first.
 """
@@ -43,34 +44,55 @@ GATE_BOUND, GATES = 1e-4, ("self_attention.A_log", "self_attention.dt_bias")
 def bound(name: str) -> float:
     return GATE_BOUND if name.endswith(GATES) else BOUND
 PACKS = {"mixed": ([1, 7, 16, 3, 9], None), "padded": ([5, 13, 1, 6], [8, 16, 4, 8])}
-# (tp, sp, cp) cells; each with and without full recompute
-CELLS = [(1, False, 1), (2, False, 1), (2, True, 1), (1, False, 2)]
+# (tp, sp, cp, mtp) cells; each with and without full recompute. MTP cells: one MTP layer (its inner
+# layer a GDN + MLP), at cp = 1 and without sp (the MTP layer's norms are megatron's torch norm,
+# which refuses sequence parallelism without Transformer Engine).
+CELLS = [(1, False, 1, False), (2, False, 1, False), (2, True, 1, False), (1, False, 2, False),
+         (1, False, 1, True), (2, False, 1, True)]
 OUT_NORM = "self_attention.out_norm.weight"
-NATIVE_THD = FACTS.gdn_thd == "native"  # 0.18/0.19: upstream's packed path, CUDA + fla only
+# 0.18/0.19 without gdn_thd_deterministic: upstream's packed path, CUDA + fla only
+DETERMINISTIC_THD_HOLE = FACTS.gdn_thd == "native" and skip_reason("gdn_thd_deterministic") is not None
 
 
 def _cell_id(cell, recompute):
-    tp, sp, cp = cell
-    return f"tp{tp}-sp{'on' if sp else 'off'}-cp{cp}-{'full' if recompute else 'none'}"
+    tp, sp, cp, mtp = cell
+    return f"tp{tp}-sp{'on' if sp else 'off'}-cp{cp}-{'full' if recompute else 'none'}" + ("-mtp" if mtp else "")
+
+
+def _mtp_weight(real: int, targets: int) -> float:
+    """What the release multiplies a micro-batch's summed MTP loss by (calculate_per_token_loss):
+    0.16 nothing; 0.17+ its real tokens over its MTP targets (targets floored at 1)."""
+    from packaging.version import Version
+
+    return 1.0 if Version(MEGATRON) < Version("0.17") else real / max(targets, 1)
 
 
 def _reference(path: str) -> None:
-    """Per-sequence runs of the tp = cp = 1 model; saves weights, per-token losses and grads."""
-    model = M.build(M.config(deterministic=True))
-    out = {"state": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    for name, (lengths, padded) in PACKS.items():
-        batch = M.packed_batch(lengths, padded)
-        model.zero_grad(set_to_none=True)
-        losses = torch.zeros(len(batch["ids"]))
-        start = 0
-        for n, slot in zip(lengths, batch["slots"]):
-            sl = slice(start, start + n)
-            loss = model(input_ids=batch["ids"][sl][None], position_ids=batch["positions"][sl][None],
-                         attention_mask=None, labels=batch["labels"][sl][None])
-            loss.sum().backward()
-            losses[sl] = loss.detach()[0]
-            start += slot
-        out[name] = {"loss": losses, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    """Per-sequence runs of the tp = cp = 1 model, without and with MTP; saves weights, per-token
+    losses and grads. With MTP each sequence's MTP gradient is rescaled from its own weight to the
+    pack's (MTPLossAutoScaler's backward scale), so the sum over sequences is the pack's objective."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    out = {}
+    for mtp in (False, True):
+        model = M.build(M.config(deterministic=True, mtp=mtp))
+        ref = out[mtp] = {"state": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        for name, (lengths, padded) in PACKS.items():
+            batch = M.packed_batch(lengths, padded)
+            model.zero_grad(set_to_none=True)
+            losses = torch.zeros(len(batch["ids"]))
+            start, pack_weight = 0, _mtp_weight(sum(lengths), sum(lengths) - len(lengths))
+            for n, slot in zip(lengths, batch["slots"]):
+                sl = slice(start, start + n)
+                MTPLossAutoScaler.set_loss_scale(torch.tensor(pack_weight / _mtp_weight(n, n - 1)))
+                loss = model(input_ids=batch["ids"][sl][None], position_ids=batch["positions"][sl][None],
+                             attention_mask=None, labels=batch["labels"][sl][None],
+                             **({"loss_mask": torch.ones(1, n)} if mtp else {}))
+                loss.sum().backward()
+                losses[sl] = loss.detach()[0]
+                start += slot
+            MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+            ref[name] = {"loss": losses, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
     torch.save(out, path)
 
 
@@ -83,8 +105,9 @@ def _run_cell(ref: dict, cell, recompute: bool, rank_tp: int, rank_cp: int, grou
 
     from tests.support.gdn import shard
 
-    tp, sp, cp = cell
-    cfg = M.config(tp=tp, sp=sp, cp=cp, recompute=recompute, deterministic=True)
+    tp, sp, cp, mtp = cell
+    ref = ref[mtp]
+    cfg = M.config(tp=tp, sp=sp, cp=cp, recompute=recompute, deterministic=True, mtp=mtp)
     model = M.build(cfg)
     M.check_layout(model, tp)
     with torch.no_grad():
@@ -100,8 +123,10 @@ def _run_cell(ref: dict, cell, recompute: bool, rank_tp: int, rank_cp: int, grou
         local = (lambda t, slots=slots: shard(t, slots, cp, rank_cp)) if cp > 1 else (lambda t: t)
         ddp.zero_grad_buffer()
         loss = ddp(input_ids=local(batch["ids"])[None], position_ids=local(batch["positions"])[None],
-                   attention_mask=None, labels=local(batch["labels"])[None], packed_seq_params=batch["psp"])
-        ((loss[0] * local(batch["mask"])).sum() * cp).backward()
+                   attention_mask=None, labels=local(batch["labels"])[None], packed_seq_params=batch["psp"],
+                   **({"loss_mask": local(batch["mask"])[None]} if mtp else {}))
+        # per-token MTP loss (calculate_per_token_loss): DDP sums grads over cp instead of averaging
+        ((loss[0] * local(batch["mask"])).sum() * (1 if mtp else cp)).backward()
         finalize_model_grads([ddp])
         real = local(batch["mask"]).bool()
         errs = {"loss": _rel(loss.detach()[0][real], local(ref[pack]["loss"])[real])}
@@ -131,7 +156,7 @@ def _worker(rank: int, world: int, port: int, ref_path: str, out_path: str, cell
         use_torch_l2norm(mp)
         ref = torch.load(ref_path)
         for cell, recompute in cells:
-            tp, sp, cp = cell
+            tp, sp, cp, _ = cell
             parallel_state.destroy_model_parallel()
             parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
             groups = {"tp": parallel_state.get_tensor_model_parallel_group(),
@@ -167,22 +192,22 @@ def matrix(megatron_cpu):
 
         groups = {"tp": parallel_state.get_tensor_model_parallel_group(),
                   "cp": parallel_state.get_context_parallel_group()}
-        for recompute in (False, True):
-            cell = (1, False, 1)
-            with gdn_compat.applied():
-                try:
-                    results[_cell_id(cell, recompute)] = _run_cell(ref, cell, recompute, 0, 0, groups)
-                except Exception as exc:  # noqa: BLE001
-                    results[_cell_id(cell, recompute)] = f"{type(exc).__name__}: {exc}"
+        for cell in [c for c in CELLS if c[0] * c[2] == 1]:
+            for recompute in (False, True):
+                with gdn_compat.applied():
+                    try:
+                        results[_cell_id(cell, recompute)] = _run_cell(ref, cell, recompute, 0, 0, groups)
+                    except Exception as exc:  # noqa: BLE001
+                        results[_cell_id(cell, recompute)] = f"{type(exc).__name__}: {exc}"
     return results
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["recompute-none", "recompute-full"])
-@pytest.mark.parametrize("cell", CELLS, ids=[_cell_id(c, False)[:-5] for c in CELLS])
+@pytest.mark.parametrize("cell", CELLS, ids=[_cell_id(c, False).replace("-none", "") for c in CELLS])
 def test_packed_training_step_matches_per_sequence_runs(matrix, cell, recompute):
     got = matrix[_cell_id(cell, recompute)]
     where = f"{MEGATRON} {_cell_id(cell, recompute)}"
-    if NATIVE_THD:
+    if DETERMINISTIC_THD_HOLE:
         assert isinstance(got, str), f"{where}: packed GDN ran on the CPU; drop this expected failure"
         assert "Packed sequence does not support deterministic mode" in got, f"{where}: another failure: {got}"
         pytest.xfail(f"{where}: {got[:160]} -- needs gdn_thd_deterministic (#15)")

@@ -23,9 +23,11 @@ GENERATION = {
     "0.17": GDN_16,
     "0.18": dict(gdn="module", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.NO,
                  mtp="no_padding_mask", roll="by cu_seqlens_q",
-                 needs={"gdn_cp_comm_type", "gdn_out_norm_tp_grad", "mtp_padding_mask", "mtp_packed_roll"}),
+                 needs={"gdn_cp_comm_type", "gdn_out_norm_tp_grad", "mtp_padding_mask", "mtp_packed_roll",
+                        "gdn_thd_deterministic"}),
     "0.19": dict(gdn="package", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.YES,
-                 mtp="has_padding_mask", roll="by cu_seqlens_q", needs={"gdn_out_norm_tp_grad", "mtp_packed_roll"}),
+                 mtp="has_padding_mask", roll="by cu_seqlens_q",
+                 needs={"gdn_out_norm_tp_grad", "mtp_packed_roll", "gdn_thd_deterministic"}),
 }
 release = ".".join((MEGATRON or "none").split(".")[:2])
 expected = GENERATION.get(release)
@@ -39,6 +41,11 @@ def test_gdn_location():
 def test_gdn_thd_generation():
     assert FACTS.gdn_thd == expected["gdn_thd"]
     assert FACTS.gdn_legacy_shape == (expected["gdn_thd"] == "refuses")
+
+
+def test_deterministic_thd_is_refused_exactly_where_thd_is_native():
+    want = {"refuses": Accepts.ABSENT, "native": Accepts.NO, "absent": Accepts.ABSENT}[expected["gdn_thd"]]
+    assert FACTS.gdn_thd_deterministic is want, FACTS.notes.get("gdn_thd_deterministic")
 
 
 def test_gdn_context_parallel_in_the_layer_and_in_the_config():

@@ -9,10 +9,11 @@ from gdn_compat.patches import (
     gdn_cp_comm_type,
     gdn_out_norm_tp_grad,
     gdn_thd,
+    gdn_thd_deterministic,
     mtp_packed_recompute,
     mtp_packed_roll,
     mtp_padding_mask,
 )
 
-PATCHES = (gdn_thd.PATCH, config_gdn_cp.PATCH, gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH,
+PATCHES = (gdn_thd.PATCH, gdn_thd_deterministic.PATCH, config_gdn_cp.PATCH, gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH,
            mtp_packed_recompute.PATCH, mtp_packed_roll.PATCH, mtp_padding_mask.PATCH)

@@ -13,6 +13,8 @@ the per-sequence reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -34,13 +36,20 @@ class SPNorm(torch.nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+MTP_SCALE = 0.3  # mtp_loss_scaling_factor
+
+
 def config(tp: int = 1, sp: bool = False, cp: int = 1, recompute: bool = False, layers: int = 4,
-           deterministic: bool = False, shape: dict | None = None, bf16: bool = False):
+           deterministic: bool = False, shape: dict | None = None, bf16: bool = False, mtp: bool = False):
+    """``mtp``: one MTP layer, its loss per token (``calculate_per_token_loss``: summed, not averaged,
+    so a pack's gradients are the sum of its sequences' up to the release's MTP weighting)."""
     import torch
     from megatron.core.transformer import TransformerConfig
 
     shape = shape or SHAPE
     extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    if mtp:
+        extra.update(mtp_num_layers=1, mtp_loss_scaling_factor=MTP_SCALE, calculate_per_token_loss=True)
     return TransformerConfig(
         num_layers=layers, hidden_size=shape["hidden"], num_attention_heads=4, ffn_hidden_size=shape["ffn"],
         experimental_attention_variant="gated_delta_net", linear_attention_freq=[1] * layers,
@@ -54,21 +63,40 @@ def config(tp: int = 1, sp: bool = False, cp: int = 1, recompute: bool = False, 
     )
 
 
-def block_spec(cfg):
+@functools.lru_cache(maxsize=1)
+def _causal_gdn():
+    """GatedDeltaNet that takes ``attn_mask_type``: megatron's MTP layer insists its inner layer's
+    self-attention spec names a causal mask; GDN is causal by construction and takes no mask type."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    class CausalGatedDeltaNet(GatedDeltaNet):
+        def __init__(self, *args, attn_mask_type=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return CausalGatedDeltaNet
+
+
+def block_spec(cfg, mtp: bool = False):
+    """The decoder's layer specs (``mtp``: the one layer spec of the MTP layer's inner layer)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-        in_proj=ColumnParallelLinear, out_norm=SPNorm, out_proj=RowParallelLinear))
+    gdn = ModuleSpec(module=_causal_gdn() if mtp else GatedDeltaNet,
+                     params={"attn_mask_type": AttnMaskType.causal} if mtp else {},
+                     submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=SPNorm,
+                                                        out_proj=RowParallelLinear))
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
     layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=SPNorm, self_attention=gdn, self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=SPNorm, mlp=get_mlp_module_spec(use_te=False), mlp_bda=get_bias_dropout_add))
+    if mtp:
+        return layer
     return TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers, layer_norm=SPNorm)
 
 
@@ -76,7 +104,12 @@ def build(cfg, seed: int = 0, device: str = "cpu"):
     from megatron.core.models.gpt import GPTModel
 
     torch.manual_seed(seed)
-    model = GPTModel(cfg, block_spec(cfg), vocab_size=VOCAB, max_sequence_length=8192,
+    mtp = None
+    if cfg.mtp_num_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp = get_gpt_mtp_block_spec(cfg, block_spec(cfg, mtp=True), use_transformer_engine=False)
+    model = GPTModel(cfg, block_spec(cfg), vocab_size=VOCAB, max_sequence_length=8192, mtp_block_spec=mtp,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False).to(device)
     with torch.no_grad():  # norms start at 1 and GDN's A_log/dt_bias in narrow ranges: perturb all
         for p in model.parameters():
@@ -97,6 +130,7 @@ def _sections(name: str) -> tuple[int, list[int]] | None:
         "mlp.linear_fc1.weight": (0, [ffn, ffn]),  # SwiGLU: [gate; up], each split over ranks
         "mlp.linear_fc2.weight": (1, [ffn]),
         "embedding.word_embeddings.weight": (0, [VOCAB]),
+        "eh_proj.weight": (0, [SHAPE["hidden"]]),  # MTP: ColumnParallelLinear, gather_output=False
         "output_layer.weight": (0, [VOCAB]),
     }
     return next((spec for suffix, spec in table.items() if name.endswith(suffix)), None)

@@ -29,7 +29,7 @@ from gdn_compat.patches.gdn_thd import context_parallel as cpx
 from gdn_compat.patches.gdn_thd.kernels import Core, local_view
 from gdn_compat.patches.gdn_thd.pack import PACKS, Pack, pack_for, rows_pack
 
-__all__ = ["PACKS", "PATCH"]
+__all__ = ["PACKS", "PATCH", "pack_of", "packed_forward"]
 
 
 def decide(facts: Facts) -> str | None:
@@ -56,7 +56,7 @@ def decide(facts: Facts) -> str | None:
     return None
 
 
-def _forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pack, cp: int) -> tuple[torch.Tensor, Any]:
+def packed_forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pack, cp: int) -> tuple[torch.Tensor, Any]:
     """The GDN over [s_local, b, h] input whose rows are ``pack``'s sequences (b = 1 for THD)."""
     group = cpx.group_of(layer)
     loc = local_view(layer, cp, group.rank() if cp > 1 else 0)
@@ -86,7 +86,7 @@ def _forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pack, cp
     return layer.out_proj(norm_out)
 
 
-def _pack_of(layer: Any, hidden_states: torch.Tensor, psp: Any, cp: int) -> Pack:
+def pack_of(layer: Any, hidden_states: torch.Tensor, psp: Any, cp: int) -> Pack:
     local, batch, _ = hidden_states.shape
     total = local * layer.sp_size * cp
     if psp is not None:
@@ -120,8 +120,8 @@ def build(facts: Facts, original: Any) -> Any:
             raise NotImplementedError(f"gdn_compat: GatedDeltaNet on {version} with "
                                       f"{'packed sequences' if packed else f'context parallel size {cp}'} and an "
                                       f"inference context is not supported (neither upstream)")
-        pack = _pack_of(self, hidden_states, packed_seq_params if packed else None, cp)
-        return _forward(self, core, hidden_states, pack, cp)
+        pack = pack_of(self, hidden_states, packed_seq_params if packed else None, cp)
+        return packed_forward(self, core, hidden_states, pack, cp)
 
     return forward
 

@@ -1,0 +1,62 @@
+"""gdn_thd_deterministic: packed sequences (THD) in ``deterministic_mode`` on megatron-core 0.18.x/0.19.x.
+
+Their ``GatedDeltaNet.forward`` handles THD through fla's kernels but asserts "Packed sequence does
+not support deterministic mode." (upstream lists it as an open gap of its determinism work, #5718;
+verl rejects the combination, #6559), so RL users who need repeatable steps cannot pack.
+
+The replacement wraps the release's forward and takes over exactly one case, deterministic mode
+with ``qkv_format='thd'``: it runs gdn_thd's packed path (the same projections, norm and context
+parallel all-to-alls as the release, in this mode the pure-torch core that the release itself uses
+for deterministic unpacked input: a depthwise ``F.conv1d`` and ``torch_chunk_gated_delta_rule``, one
+sequence at a time, so no state crosses a boundary). Every other call is the release's own forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+from gdn_compat._probe import GDN_MODULE, Accepts, Facts, Layout, Thd
+from gdn_compat._registry import Patch, Target
+from gdn_compat.patches.gdn_thd import context_parallel as cpx
+from gdn_compat.patches.gdn_thd import pack_of, packed_forward
+from gdn_compat.patches.gdn_thd.kernels import Core
+
+
+def decide(facts: Facts) -> str | None:
+    mc = facts.release
+    if facts.gdn in (Layout.ABSENT, Layout.UNKNOWN):
+        return f"{mc} has no GatedDeltaNet" if facts.gdn is Layout.ABSENT else "GatedDeltaNet not readable"
+    if facts.gdn_thd is Thd.REFUSES:
+        return f"{mc} GatedDeltaNet has no native THD; gdn_thd's packed path covers deterministic mode there"
+    if facts.gdn_thd_deterministic is not Accepts.NO:
+        return f"not patched: {facts.notes.get('gdn_thd_deterministic', 'unknown GatedDeltaNet shape')}"
+    return None
+
+
+def build(facts: Facts, original: Any) -> Any:
+    core = Core(sys.modules[original.__module__], facts.fla_varlen)  # its torch_chunk_gated_delta_rule
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
+                sequence_len_offset=None, *, inference_params=None, **kwargs):
+        packed = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
+        if not (packed and self.config.deterministic_mode) or inference_context is not None \
+                or inference_params is not None:
+            return original(self, hidden_states, attention_mask, inference_context, packed_seq_params,
+                            sequence_len_offset, inference_params=inference_params, **kwargs)
+        cp = cpx.size_of(self)
+        return packed_forward(self, core, hidden_states, pack_of(self, hidden_states, packed_seq_params, cp), cp)
+
+    return forward
+
+
+PATCH = Patch(
+    name="gdn_thd_deterministic",
+    target=Target(GDN_MODULE, "GatedDeltaNet", "forward"),
+    decide=decide,
+    build=build,
+    summary="GatedDeltaNet.forward runs packed sequences (THD) in deterministic_mode through gdn_compat's "
+            "per-sequence torch core instead of asserting (upstream #5718); every other call is the release's",
+)

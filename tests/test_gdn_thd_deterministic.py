@@ -1,0 +1,82 @@
+"""gdn_thd_deterministic (#15, CPU part) on 0.18.x/0.19.x's real GatedDeltaNet.
+
+Unpatched, the release asserts on packed input in deterministic mode. Patched, a pack (padded
+slots, a length-1 sequence) gives per token what the release's own deterministic code gives for each
+sequence run alone, and the pure float64 recurrence; every other call is the release's forward.
+(0.16/0.17: gdn_thd's packed path covers deterministic mode; tests/test_gdn_thd.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gdn_compat
+from tests.support.gdn import build_gdn, offsets, packed, packed_run, reference_gdn, rel, use_torch_l2norm
+from tests.support.release import skip_reason
+
+pytestmark = pytest.mark.skipif(skip_reason("gdn_thd_deterministic") is not None,
+                                reason=str(skip_reason("gdn_thd_deterministic")))
+
+LENGTHS, SLOTS = [5, 1, 11, 4], [8, 4, 12, 4]
+CFG = dict(dk=16, dv=16, hk=2, hv=4, kernel=4, eps=1e-5)
+
+
+@pytest.fixture
+def layer(megatron_cpu, monkeypatch):
+    use_torch_l2norm(monkeypatch)
+    return build_gdn(megatron_cpu, deterministic=True)
+
+
+def _pack():
+    return packed(offsets(LENGTHS), offsets(SLOTS))
+
+
+def _x(device):
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(sum(SLOTS), 1, 64, generator=gen).to(device)
+
+
+def test_release_refuses_packed_input_in_deterministic_mode(layer, megatron_cpu):
+    with pytest.raises(AssertionError, match="Packed sequence does not support deterministic mode"):
+        layer(_x(megatron_cpu), None, packed_seq_params=_pack())
+
+
+def test_patched_pack_equals_the_release_on_each_sequence_alone(layer, megatron_cpu):
+    x = _x(megatron_cpu)
+    real = torch.cat([torch.arange(s, s + n) for s, n in zip(offsets(SLOTS), LENGTHS)])
+    dy = torch.zeros_like(x)  # padding slots carry no loss (their outputs would feed real tokens' grads)
+    dy[real] = torch.linspace(-1, 1, dy[real].numel()).reshape(dy[real].shape).to(x)
+    singles = []  # the release's own deterministic (unpacked) forward, one sequence at a time
+    for start, n in zip(offsets(SLOTS), LENGTHS):
+        singles.append(packed_run(layer, x[start:start + n], None, dy[start:start + n]))
+    with gdn_compat.applied() as report:
+        assert report["gdn_thd_deterministic"].status == "applied"
+        out, dx, grads = packed_run(layer, x, _pack(), dy)
+    assert rel(out[real], torch.cat([s[0] for s in singles])) < 1e-5
+    assert rel(dx[real], torch.cat([s[1] for s in singles])) < 1e-5
+    for name, grad in grads.items():  # the gate grads cancel heavily: see test_acceptance.GATE_BOUND
+        bound = 1e-4 if name in ("A_log", "dt_bias") else 1e-5
+        assert rel(grad, sum(s[2][name] for s in singles)) < bound, name
+    params = {n: p.detach() for n, p in layer.named_parameters()}
+    spans = [(s, s + n) for s, n in zip(offsets(SLOTS), LENGTHS)]
+    want = reference_gdn(params, CFG, x[:, 0], spans)  # float64, token by token
+    assert rel(out[real, 0], want[real]) < 1e-5
+
+
+def test_repeated_runs_are_bitwise_identical(layer, megatron_cpu):
+    x = _x(megatron_cpu)
+    with gdn_compat.applied():
+        runs = [packed_run(layer, x, _pack()) for _ in range(3)]
+    for out, dx, grads in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(dx, runs[0][1])
+        assert all(torch.equal(grads[n], runs[0][2][n]) for n in grads)
+
+
+def test_unpacked_deterministic_input_is_the_release_forward(layer, megatron_cpu):
+    x = _x(megatron_cpu)[:16].reshape(8, 2, 64)
+    want = packed_run(layer, x, None)
+    with gdn_compat.applied():
+        got = packed_run(layer, x, None)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
