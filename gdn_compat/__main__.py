@@ -40,6 +40,9 @@ def doctor(key_head_dim: int | None = None) -> dict[str, Any]:
     }
 
 
+_DETERMINISTIC = {"no": "refused (asserts)", "yes": "runs"}
+
+
 def render(data: dict[str, Any]) -> str:
     f = data["facts"]
     mc, fla, gpu = f["megatron"] or {}, f["fla"] or {}, f["gpu"]
@@ -54,18 +57,21 @@ def render(data: dict[str, Any]) -> str:
         + (f"   tilelang {f['tilelang']}" if f["tilelang"] else ""),
         "probes:",
         f"  GatedDeltaNet              {f['gdn']} {f['gdn_file'] or ''}",
-        f"  GDN packed sequences (THD) {f['gdn_thd']}",
+        f"  GDN packed sequences (THD) {f['gdn_thd']}"
+        + (f"   in deterministic mode: {_DETERMINISTIC.get(f['gdn_thd_deterministic'], f['gdn_thd_deterministic'])}"
+           if f["gdn_thd"] == "native" else ""),
         f"  GDN context parallel       {f['gdn_cp']}   config refuses it: {f['config_refuses_gdn_cp']}",
         f"  GDN __init__ cp_comm_type  {f['gdn_init_cp_comm_type']}",
         f"  GDN unpacked conv          {f['gdn_conv']}",
         f"  MTP _checkpointed_forward  {f['mtp']}",
+        f"  MTP roll of a packed batch {f['mtp_roll']}",
         f"  fla chunk_gated_delta_rule cu_seqlens={v['rule']} cu_seqlens_cpu={v['rule_cpu']}",
         f"  fla causal_conv1d          cu_seqlens={v['conv']} cu_seqlens_cpu={v['conv_cpu']}",
     ]
     lines += [f"  note {k}: {why}" for k, why in f["notes"].items()]
     lines.append("patches (what apply() would do):")
     for rec in data["patches"]:
-        lines.append(f"  {'APPLY' if rec['status'] == 'would_apply' else 'skip '} {rec['name']:<17} {rec['target']}")
+        lines.append(f"  {'APPLY' if rec['status'] == 'would_apply' else 'skip '} {rec['name']:<21} {rec['target']}")
         lines.append(f"        {rec['reason']}")
     lines.append("findings:" if data["findings"] else "findings: none")
     for item in data["findings"]:

@@ -37,3 +37,28 @@ def test_full_recompute_matches_no_recompute_with_padding_mask(megatron_cpu):
     assert torch.equal(loss0, loss1)
     assert diff <= noise
     assert mask_effect > 100 * max(diff, 1e-9)
+
+
+def test_mtp_roll_of_a_pack_makes_no_host_sync_once_the_pack_is_known(megatron_cpu):
+    """Host syncs per MTP roll (labels of a 16-sequence pack on the GPU), the release's and patched."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    from tests.support.gdn import host_syncs, offsets, packed
+
+    lengths = [256 + 48 * i for i in range(16)]
+    psp = packed(offsets(lengths), [o + 8 * i for i, o in enumerate(offsets(lengths))])
+    psp.cu_seqlens_q, psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda(), psp.cu_seqlens_kv.cuda()
+    psp.cu_seqlens_q_padded = psp.cu_seqlens_kv_padded = psp.cu_seqlens_q_padded.cuda()
+    labels = torch.arange(int(psp.cu_seqlens_q_padded[-1]), device="cuda")[None]
+
+    def roll():
+        mtp.roll_tensor(labels, shifts=-1, dims=-1, cp_group=None, packed_seq_params=psp)
+
+    release = host_syncs(roll)
+    with gdn_compat.applied():
+        roll()  # the first roll of a pack: one host copy of its offsets
+        patched = host_syncs(roll)
+    print(f"\n[mtp-roll {MEGATRON}] host syncs per roll of a 16-sequence pack: release {len(release)}, "
+          f"gdn_compat {len(patched)}")
+    assert patched == [], patched[:3]
+    assert len(release) >= len(lengths)  # the hole this patch closes: a sync per sequence boundary

@@ -48,6 +48,15 @@ def cpu_stand_ins() -> Iterator[None]:
         yield
 
 
+def moe_without_te() -> None:
+    """0.15.x/0.16.x test ``te_general_gemm is not None`` without defining it when Transformer Engine
+    is absent (NameError in every MoE router); define it as "not installed"."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 @contextlib.contextmanager
 def world(rank: int = 0, size: int = 1, *, tp: int = 1, cp: int = 1, port: int | None = None,
           cuda: bool = False) -> Iterator[str]:

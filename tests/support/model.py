@@ -39,10 +39,16 @@ class SPNorm(torch.nn.Module):
 MTP_SCALE = 0.3  # mtp_loss_scaling_factor
 
 
+EXPERTS = 4
+
+
 def config(tp: int = 1, sp: bool = False, cp: int = 1, recompute: bool = False, layers: int = 4,
-           deterministic: bool = False, shape: dict | None = None, bf16: bool = False, mtp: bool = False):
+           deterministic: bool = False, shape: dict | None = None, bf16: bool = False, mtp: bool = False,
+           moe: bool = False):
     """``mtp``: one MTP layer, its loss per token (``calculate_per_token_loss``: summed, not averaged,
-    so a pack's gradients are the sum of its sequences' up to the release's MTP weighting)."""
+    so a pack's gradients are the sum of its sequences' up to the release's MTP weighting).
+    ``moe``: every second layer's MLP is a mixture of 4 experts, top-2, without capacity limits or
+    load-balancing loss, so a token's route does not depend on the other tokens of its micro-batch."""
     import torch
     from megatron.core.transformer import TransformerConfig
 
@@ -50,6 +56,10 @@ def config(tp: int = 1, sp: bool = False, cp: int = 1, recompute: bool = False, 
     extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
     if mtp:
         extra.update(mtp_num_layers=1, mtp_loss_scaling_factor=MTP_SCALE, calculate_per_token_loss=True)
+    if moe:
+        extra.update(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=shape["ffn"] // 2,
+                     moe_layer_freq=[i % 2 for i in range(layers)], moe_router_load_balancing_type="none",
+                     moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather")
     return TransformerConfig(
         num_layers=layers, hidden_size=shape["hidden"], num_attention_heads=4, ffn_hidden_size=shape["ffn"],
         experimental_attention_variant="gated_delta_net", linear_attention_freq=[1] * layers,
@@ -92,12 +102,25 @@ def block_spec(cfg, mtp: bool = False):
                                                         out_proj=RowParallelLinear))
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-    layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=SPNorm, self_attention=gdn, self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=SPNorm, mlp=get_mlp_module_spec(use_te=False), mlp_bda=get_bias_dropout_add))
+    def layer(mlp):
+        return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=SPNorm, self_attention=gdn, self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=SPNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))
+
+    dense = get_mlp_module_spec(use_te=False)
     if mtp:
-        return layer
-    return TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers, layer_norm=SPNorm)
+        return layer(dense)
+    if not cfg.num_moe_experts:
+        return TransformerBlockSubmodules(layer_specs=[layer(dense)] * cfg.num_layers, layer_norm=SPNorm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from tests.support.megatron import moe_without_te
+
+    moe_without_te()
+    # the release's own local MoE spec (its helpers' signatures differ across releases)
+    moe = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
+    return TransformerBlockSubmodules(layer_specs=[layer(moe if f else dense) for f in cfg.moe_layer_freq],
+                                      layer_norm=SPNorm)
 
 
 def build(cfg, seed: int = 0, device: str = "cpu"):
@@ -129,6 +152,8 @@ def _sections(name: str) -> tuple[int, list[int]] | None:
         "self_attention.out_proj.weight": (1, [v]),
         "mlp.linear_fc1.weight": (0, [ffn, ffn]),  # SwiGLU: [gate; up], each split over ranks
         "mlp.linear_fc2.weight": (1, [ffn]),
+        "linear_fc1.weight": (0, [ffn // 2, ffn // 2]),  # an MoE expert's SwiGLU (moe_ffn_hidden_size)
+        "linear_fc2.weight": (1, [ffn // 2]),
         "embedding.word_embeddings.weight": (0, [VOCAB]),
         "eh_proj.weight": (0, [SHAPE["hidden"]]),  # MTP: ColumnParallelLinear, gather_output=False
         "output_layer.weight": (0, [VOCAB]),

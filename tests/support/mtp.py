@@ -12,12 +12,10 @@ def build_gpt(recompute: bool, device: str = "cpu", dtype=torch.float32, hidden:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe import moe_utils
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        # 0.15.x/0.16.x test `te_general_gemm is not None` without defining it when Transformer
-        # Engine is absent (NameError in every MoE router); stand in for "not installed".
-        moe_utils.te_general_gemm = None
+    from tests.support.megatron import moe_without_te
+
+    moe_without_te()
     torch.manual_seed(seed)
     extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
     cfg = TransformerConfig(
