@@ -189,6 +189,8 @@ class Registry:
         except Exception as exc:  # noqa: BLE001 - a missing symbol is a skip, never a crash
             return record("skipped", patch.decide(facts)
                           or f"not patched: cannot resolve {patch.target}: {type(exc).__name__}: {exc}")
+        if not hasattr(owner, patch.target.attr):  # nothing to replace: the release's own reason, no force offer
+            return record("skipped", patch.decide(facts) or f"not patched: {patch.target} does not exist")
         # Our own replacement (another patch of this registry on the same target) is judged by the
         # release object underneath it; someone else's object first: the facts describe it, not the release.
         current = next((old for _, _, old, new in self.undo if new is current), current)

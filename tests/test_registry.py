@@ -122,6 +122,15 @@ def test_skipped_patch_leaves_the_target_alone_and_says_why(release):
     assert release.Target.__dict__["method"] is original
 
 
+def test_a_target_that_does_not_exist_is_skipped_with_the_patch_reason_and_never_forced(release):
+    absent = Patch(name="p1", target=Target("fake_release", "", "gone"), decide=lambda facts: "release has no gone()",
+                   build=lambda facts, original: lambda: "patched", summary="ok")
+    for force in (frozenset(), frozenset({"p1"})):
+        [rec] = Registry((absent,)).apply(FACTS, {}, force=force)
+        assert rec.status == "skipped" and rec.reason == "release has no gone()", rec
+        assert not hasattr(release, "gone")
+
+
 def test_failing_patch_is_recorded_and_the_others_still_apply(release):
     original = release.Target.__dict__["method"]
     reg = Registry((patch_for("method", "broken", fail=True), patch_for("static", "fine")))
