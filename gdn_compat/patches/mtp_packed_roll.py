@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from gdn_compat._probe import MTP_MODULE, Facts, Roll
 from gdn_compat._registry import Patch, Target
-from gdn_compat.patches.gdn_thd import context_parallel as cpx
 from gdn_compat.patches.gdn_thd.pack import Pack, pack_for, to_device
 
 
@@ -43,19 +42,20 @@ def decide(facts: Facts) -> str | None:
     return None
 
 
-def roll_index(pack: Pack, cp: int, rank: int, local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index, keep) on the host: rolled[j] = source[index[j]] where keep[j], else 0. ``source`` is
-    the local tensor at cp = 1, else the cp ranks' shards concatenated in rank order."""
+def roll_index(pack: Pack, cp: int, rank: int, local: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, keep) on ``device``: rolled[j] = source[index[j]] where keep[j], else 0. ``source`` is
+    the local tensor at cp = 1, else the cp ranks' shards concatenated in rank order (the order
+    ``pack.perm`` indexes: gdn_thd's load-balancing permutation, reused, not rebuilt)."""
     total = local * cp
     keep = torch.zeros(total, dtype=torch.bool)
     for (start, _), end in zip(pack.spans, pack.ends):
         keep[start:max(start, end - 1)] = True  # the next token is a real one of the same sequence
     following = torch.arange(1, total + 1).clamp_(max=total - 1)
-    if cp == 1:
+    keep, following = to_device(keep, device), to_device(following, device)
+    if pack.perm is None or pack.inverse is None:
         return following, keep
-    perm = cpx.load_balance_perm([b - a for a, b in pack.spans], cp)  # global position -> gathered row
-    mine = torch.argsort(perm)[rank * local:(rank + 1) * local]  # global position of each local token
-    return perm[following[mine]], keep[mine]
+    mine = pack.inverse[rank * local:(rank + 1) * local]  # global position of each local token
+    return pack.perm[following[mine]], keep[mine]  # device indexing: no host sync
 
 
 def _gather(tensor: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
@@ -86,9 +86,9 @@ def build(facts: Facts, original: Any) -> Any:
             return rolled, rolled.sum()
         pack = pack_for(packed_seq_params, local * cp, tensor.device, cp)
         rank = dist.get_rank(group=cp_group) if cp > 1 else 0
-        key = ("mtp_roll", cp, rank, local, tensor.device)
+        key = ("mtp_roll", rank)  # the pack itself is keyed by tokens, device and cp
         if key not in pack.memo:
-            pack.memo[key] = tuple(to_device(t, tensor.device) for t in roll_index(pack, cp, rank, local))
+            pack.memo[key] = roll_index(pack, cp, rank, local, tensor.device)
         index, keep = pack.memo[key]
         source = tensor if cp == 1 else _gather(tensor, cp_group, cp)
         rolled = torch.where(keep, source.index_select(-1, index), tensor.new_zeros(()))
