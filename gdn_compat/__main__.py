@@ -67,8 +67,10 @@ def render(data: dict[str, Any]) -> str:
         f"  MTP roll of a packed batch {f['mtp_roll']}",
         f"  fla chunk_gated_delta_rule cu_seqlens={v['rule']} cu_seqlens_cpu={v['rule_cpu']}",
         f"  fla causal_conv1d          cu_seqlens={v['conv']} cu_seqlens_cpu={v['conv_cpu']}",
+        f"  fla kernels atomic-free    {f['fla_atomic_free']}   {f['notes'].get('fla_atomic_free', '')}"
+        + ("   (deterministic THD runs them)" if f["fla_atomic_free"] == "yes" else ""),
     ]
-    lines += [f"  note {k}: {why}" for k, why in f["notes"].items()]
+    lines += [f"  note {k}: {why}" for k, why in f["notes"].items() if k != "fla_atomic_free"]  # shown above
     lines.append("patches (what apply() would do):")
     for rec in data["patches"]:
         lines.append(f"  {'APPLY' if rec['status'] == 'would_apply' else 'skip '} {rec['name']:<21} {rec['target']}")

@@ -141,6 +141,7 @@ class Facts:
     fla: Dist | None = None
     fla_error: str | None = None  # fla is installed but fails to import
     fla_varlen: Varlen = Varlen()
+    fla_atomic_free: Accepts = Accepts.ABSENT  # YES: the fla code packed GDN runs has no atomics / scatter-adds
     gdn: Layout = Layout.ABSENT
     gdn_file: str | None = None
     gdn_thd: Thd = Thd.ABSENT
@@ -397,10 +398,55 @@ def _probe_fla(out: dict[str, Any]) -> None:
             out["fla"] = dataclasses.replace(out["fla"], path=getattr(sys.modules.get("fla"), "__file__", None))
         out["fla_varlen"] = Varlen(rule=accepts(rule, "cu_seqlens"), rule_cpu=accepts(rule, "cu_seqlens_cpu"),
                                    conv=accepts(conv, "cu_seqlens"), conv_cpu=accepts(conv, "cu_seqlens_cpu"))
+        out["fla_atomic_free"], out["notes"]["fla_atomic_free"] = atomic_free(rule, conv)
         return
     unknown = Accepts.UNKNOWN
     out["fla_varlen"] = Varlen(unknown, unknown, unknown, unknown)
     out["notes"]["fla_varlen"] = f"fla failed to import ({out['fla_error']})"
+
+
+# Order-dependent accumulation: Triton atomics, and torch's accumulating index ops (atomics on CUDA).
+_ATOMIC = re.compile(r"\b(?:tl\.atomic_\w+|atomic_add|atomic_max|atomic_min|atomic_xchg|atomic_cas|index_add_?|"
+                     r"scatter_add_?|scatter_reduce_?|index_reduce_?|index_put_?)\b")
+
+
+def _fla_module_of(obj: Any, prefix: str, depth: int = 0) -> str | None:
+    """The fla module that defines ``obj`` (a Triton Autotuner/Heuristics is unwrapped to its ``fn``)."""
+    if inspect.ismodule(obj):
+        name = obj.__name__
+    else:
+        name = getattr(obj, "__module__", None)
+        if not (isinstance(name, str) and name.startswith(prefix)):
+            return _fla_module_of(obj.fn, prefix, depth + 1) if depth < 4 and hasattr(obj, "fn") else None
+    return name if name == prefix or name.startswith(prefix + ".") else None
+
+
+def atomic_free(*entry_points: Any, prefix: str = "fla") -> tuple[Accepts, str]:
+    """Whether the code that ``entry_points`` reach (their modules, and every ``prefix`` module those
+    name, transitively) is free of atomics and accumulating scatters: with none, a Triton kernel at a
+    fixed launch configuration sums in a fixed order, so its results repeat bit for bit."""
+    roots = [_fla_module_of(f, prefix) for f in entry_points]
+    todo, seen, hits = [r for r in roots if r], set(), []
+    if not todo:
+        return Accepts.UNKNOWN, "entry points not found in fla"
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        try:
+            found = sorted(set(_ATOMIC.findall(inspect.getsource(module))))
+        except (OSError, TypeError):  # a package without source: nothing proves it atomic-free
+            return Accepts.UNKNOWN, f"source of {name} not readable"
+        if found:
+            hits.append(f"{name} ({', '.join(found)})")
+        todo += [m for m in (_fla_module_of(v, prefix) for v in list(vars(module).values())) if m and m not in seen]
+    if hits:
+        return Accepts.NO, f"{len(seen)} modules read; atomics or scatter-adds in " + "; ".join(hits)
+    return Accepts.YES, f"{len(seen)} modules read, none has atomics or scatter-adds"
 
 
 def _probe_gpu(out: dict[str, Any], torch: Any, init_cuda: bool) -> None:
@@ -453,7 +499,8 @@ def probe(*, init_cuda: bool = False) -> Facts:
 
 def _facts(out: dict[str, Any]) -> Facts:
     enums = {"gdn": Layout, "gdn_thd": Thd, "gdn_cp": Cp, "gdn_conv": Conv, "mtp": Mtp, "mtp_roll": Roll,
-             "gdn_init_cp_comm_type": Accepts, "gdn_out_norm_tp_sum": Accepts, "gdn_thd_deterministic": Accepts}
+             "gdn_init_cp_comm_type": Accepts, "gdn_out_norm_tp_sum": Accepts, "gdn_thd_deterministic": Accepts,
+             "fla_atomic_free": Accepts}
     for field, kind in enums.items():
         if field in out:
             out[field] = kind(out[field])

@@ -6,9 +6,13 @@ verl rejects the combination, #6559), so RL users who need repeatable steps cann
 
 The replacement wraps the release's forward and takes over exactly one case, deterministic mode
 with ``qkv_format='thd'``: it runs gdn_thd's packed path (the same projections, norm and context
-parallel all-to-alls as the release, in this mode the pure-torch core that the release itself uses
-for deterministic unpacked input: a depthwise ``F.conv1d`` and ``torch_chunk_gated_delta_rule``, one
-sequence at a time, so no state crosses a boundary). Every other call is the release's own forward.
+parallel all-to-alls as the release). Its core on CUDA is fla's varlen kernels, the release's own THD
+kernels, when the probe finds the fla code they reach free of atomics and scatter-adds
+(``Facts.fla_atomic_free``; upstream's "FLA is not deterministic" was measured false for these kernels
+at fixed shapes, README "Deterministic packed GDN"); on the CPU, or when fla has atomics, it is the
+pure-torch core the release itself uses for deterministic unpacked input (a depthwise ``F.conv1d`` and
+``torch_chunk_gated_delta_rule``), one sequence at a time. Either way no state crosses a boundary.
+Every other call is the release's own forward.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def decide(facts: Facts) -> str | None:
 
 
 def build(facts: Facts, original: Any) -> Any:
-    core = Core(sys.modules[original.__module__], facts.fla_varlen)  # its torch_chunk_gated_delta_rule
+    core = Core(sys.modules[original.__module__], facts.fla_varlen, facts.fla_atomic_free)
 
     @functools.wraps(original)
     def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
@@ -57,6 +61,7 @@ PATCH = Patch(
     target=Target(GDN_MODULE, "GatedDeltaNet", "forward"),
     decide=decide,
     build=build,
-    summary="GatedDeltaNet.forward runs packed sequences (THD) in deterministic_mode through gdn_compat's "
-            "per-sequence torch core instead of asserting (upstream #5718); every other call is the release's",
+    summary="GatedDeltaNet.forward runs packed sequences (THD) in deterministic_mode instead of asserting "
+            "(upstream #5718): fla's varlen kernels when their code is atomic-free, else a per-sequence torch "
+            "core; every other call is the release's",
 )

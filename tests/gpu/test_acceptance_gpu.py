@@ -114,3 +114,40 @@ def test_same_weights_same_pack_across_releases(run):
         print(f"[acceptance-xver {MEGATRON} vs {name}] {'bitwise equal' if not diff else f'{len(diff)} tensors differ, worst rel {worst:.1e}'}")
         assert worst < ALONE_BOUND[1], diff
     torch.save({"state": state, "packed": packed}, os.path.join(XVER, f"acceptance-{MEGATRON}.pt"))
+
+
+MTP_LENGTHS, MTP_SLOTS = [1, 700, 1500, 300, 1000, 596], [64, 704, 1536, 320, 1024, 640]  # padded pack
+
+
+def test_mtp_on_a_padded_pack_full_recompute_is_bitwise_no_recompute_bf16(megatron_cpu):
+    """#13 on a GPU: a GPTModel with one MTP layer (inner layer GDN + MLP), bf16, the Qwen3-Next GDN
+    head shape, a padded pack; recompute_granularity='full' must give the losses and every gradient of
+    no recompute bit for bit (0.16/0.17 through mtp_packed_recompute, 0.18 through mtp_padding_mask;
+    the MTP roll through mtp_packed_roll everywhere)."""
+    assert megatron_cpu == "cuda"
+    if FACTS.gdn == "absent":
+        pytest.skip(f"{FACTS.release} has no GatedDeltaNet")
+    batch = M.packed_batch(MTP_LENGTHS, MTP_SLOTS)
+    psp = batch["psp"]
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        setattr(psp, name, getattr(psp, name).cuda())
+    ids, pos, labels, mask = (batch[k].cuda()[None] for k in ("ids", "positions", "labels", "mask"))
+    results = {}
+    with gdn_compat.applied() as report:
+        for recompute in (False, True):
+            model = M.build(M.config(shape=SHAPE, bf16=True, mtp=True, layers=2, recompute=recompute), seed=5,
+                            device="cuda")
+            loss = model(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels, loss_mask=mask,
+                         packed_seq_params=psp)
+            (loss.float()[0] * mask[0]).sum().backward()
+            results[recompute] = {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+            del model, loss
+    plain, full = results[False], results[True]
+    assert plain.keys() == full.keys()
+    differ = sorted(k for k in plain if not torch.equal(plain[k], full[k]))
+    mtp_grads = [k for k in plain if "mtp" in k]
+    applied = sorted(r.name for r in report.records if r.status == "applied")
+    print(f"\n[mtp-thd-gpu {MEGATRON}] applied {applied}; {len(plain) - 1} gradients ({len(mtp_grads)} in the MTP "
+          f"layer): full recompute vs none {'bitwise equal' if not differ else f'differ in {differ[:5]}'}")
+    assert mtp_grads and all(plain[k].abs().sum() > 0 for k in mtp_grads)
+    assert not differ

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 QWEN3_NEXT = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)  # GDN layer shape of the GPU tests and benchmarks
 DESIGN_LENGTHS = [4093, 2050, 1531, 1029, 3070, 509, 771, 1283, 2048]  # design.md section 5: 16,384 tokens
+# an RL rollout pack: 16 sequences of 256-1,000 tokens, 8,393 tokens
+RL_LENGTHS = [256, 1000, 512, 768, 300, 900, 640, 700, 280, 460, 520, 384, 610, 333, 420, 310]
 
 
 def offsets(lengths: list[int]) -> list[int]:
@@ -152,3 +154,23 @@ def use_torch_l2norm(monkeypatch) -> None:
     for name, mod in list(sys.modules.items()):
         if name.startswith("megatron.core.ssm.gated_delta_net") and hasattr(mod, "l2norm"):
             monkeypatch.setattr(mod, "l2norm", l2norm_ref)
+
+
+def capture(layer, x, dy, psp, warmup: int = 3):
+    """Record layer fwd+bwd on static x / dy; returns (graph, static output, static x)."""
+    sx = x.detach().clone().requires_grad_(True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream: autotuning, the pack's host copy
+        for _ in range(warmup):
+            layer.zero_grad(set_to_none=True)
+            sx.grad = None
+            layer(sx, None, packed_seq_params=psp)[0].backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    layer.zero_grad(set_to_none=True)
+    sx.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(sx, None, packed_seq_params=psp)[0]
+        out.backward(dy)
+    return graph, out, sx

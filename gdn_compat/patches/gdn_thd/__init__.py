@@ -7,8 +7,8 @@ contract and, on CUDA, runs the same fla kernels in the same order as 0.18/0.19'
 * not packed (``None``, ``'bshd'``, ``'sbhd'``, ...) at cp = 1: the release's own forward, with
   ``packed_seq_params=None``;
 * packed: boundaries from the pack (``pack.py``), the core over the whole pack (``kernels.py``:
-  fla's varlen kernels on CUDA, pure torch on the CPU or in ``deterministic_mode``, which upstream
-  refuses for THD);
+  fla's varlen kernels on CUDA, also in ``deterministic_mode`` (which upstream refuses for THD) when
+  they are atomic-free; pure torch on the CPU);
 * context parallel, packed or not (these releases have none and with cp > 1 silently treat each
   rank's shard as a whole sequence): one all-to-all each way (``context_parallel.py``).
 
@@ -103,7 +103,7 @@ def pack_of(layer: Any, hidden_states: torch.Tensor, psp: Any, cp: int) -> Pack:
 def build(facts: Facts, original: Any) -> Any:
     """The replacement ``GatedDeltaNet.forward``; ``original`` is the release's."""
     release = sys.modules[original.__module__]  # bound once: its l2norm and torch rule
-    core = Core(release, facts.fla_varlen)
+    core = Core(release, facts.fla_varlen, facts.fla_atomic_free)
     version = facts.release
 
     @functools.wraps(original)

@@ -1,4 +1,10 @@
-"""The packed GDN core: fla's varlen kernels on CUDA, pure torch on the CPU or in deterministic mode.
+"""The packed GDN core: fla's varlen kernels on CUDA, pure torch on the CPU.
+
+In ``deterministic_mode`` the fla kernels run too when the probe found the fla code they reach free of
+atomics and scatter-adds (``Facts.fla_atomic_free``): then each kernel sums in an order fixed by its
+launch configuration, and fla caches its autotuning choices, so a step repeats bit for bit (measured
+on an H200: README, "Deterministic packed GDN"). Otherwise deterministic mode takes the pure-torch core,
+one sequence at a time, as the release itself does for unpacked input.
 
 ``Core`` is built once per ``apply()`` with the release module and the probed fla signatures; the
 forward hands it the layer, this rank's share of the parameters (``Local``) and the pack.
@@ -89,13 +95,14 @@ def local_view(layer: Any, cp: int, rank: int) -> Local:
 class Core:
     """The two ways to run the packed core, bound to one release module and one fla."""
 
-    def __init__(self, release: Any, varlen: Varlen):
+    def __init__(self, release: Any, varlen: Varlen, atomic_free: Accepts = Accepts.UNKNOWN):
         self.release = release  # its l2norm and torch_chunk_gated_delta_rule are read at call time
         self.rule_host = {"cu_seqlens_cpu"} if varlen.rule_cpu is Accepts.YES else set()
         self.conv_host = {"cu_seqlens_cpu"} if varlen.conv_cpu is Accepts.YES else set()
+        self.fla_deterministic = atomic_free is Accepts.YES
 
     def __call__(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int):
-        if qkv.is_cuda and not layer.config.deterministic_mode:
+        if qkv.is_cuda and (self.fla_deterministic or not layer.config.deterministic_mode):
             return self.fla(layer, loc, qkv, gate, beta, alpha, pack, total)
         return self.torch(layer, loc, qkv, gate, beta, alpha, pack)
 

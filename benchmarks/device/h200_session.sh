@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# For this project's offline device machine (wheels carried in .whl/); users with a GPU follow the README.
+# The single-H200 plan for #12/#13/#15/#16, resumable: a finished step leaves /tmp/done/<step>, so a
+# second call on the same warm machine picks up where the deadline cut the first. A fresh machine can
+# start from a carried Triton cache (.tcache/tcache.tar.xz.*, written to $OUT by the previous call).
+#   DEADLINE=540 bash benchmarks/device/h200_session.sh [STEP ...]   (default: every step)
+# Phase A runs three lanes side by side (correctness only: tests and determinism); phase B runs the
+# benchmarks alone.
+set -u
+T0=$(date +%s); DEADLINE=${DEADLINE:-540}
+root=$(pwd); LOGS=/tmp/logs; mkdir -p /tmp/done $LOGS /tmp/xver
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
+if [ ! -d /tmp/triton-cache ] && ls .tcache/tcache.tar.xz.* >/dev/null 2>&1; then
+  cat .tcache/tcache.tar.xz.* | tar -C /tmp -xJf - && echo "[plan] Triton/inductor cache restored: $(du -sh /tmp/triton-cache | cut -f1)"
+fi
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
+for v in 0.16.1 0.17.1 0.18.2 0.19.2; do
+  [ -d /tmp/mc-$v ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mc-$v .whl/megatron_core-$v-*.whl
+done
+[ -d /tmp/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .whl/fla_core-*.whl
+WANT=" ${*:-all} "
+step() {  # step NAME MIN_SECONDS ENV... -- COMMAND...
+  local name=$1 min=$2; shift 2
+  [ -e /tmp/done/$name ] && return 0
+  [ "$WANT" = " all " ] || [[ "$WANT" == *" $name "* ]] || return 0
+  local l; l=$(left); if [ "$l" -lt "$min" ]; then echo "[plan] skip $name: ${l}s left"; return 0; fi
+  echo "[plan] start $name at +$(( $(date +%s) - T0 ))s"
+  local s=$(date +%s)
+  timeout -k 10 "$l" env "$@" > $LOGS/$name.log 2>&1; local rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "[plan] $name cut at deadline after $(( $(date +%s) - s ))s"; return 0; fi
+  echo "$rc" > /tmp/done/$name
+  echo "[plan] done $name rc=$rc in $(( $(date +%s) - s ))s"
+}
+PP() { echo "PYTHONPATH=$root:/tmp/mc-$1:/tmp/fla"; }
+PT="python3 -m pytest -q -s -rs -p no:cacheprovider -W ignore"
+lane1() { for v in 0.17.1 0.19.2; do step gpu-$v 120 $(PP $v) GDN_XVER_DIR=/tmp/xver $PT tests/gpu; done; }
+lane2() { for v in 0.16.1 0.18.2; do step gpu-$v 120 $(PP $v) $PT tests/gpu; done; }
+lane3() {
+  step det-0.17.1 90 $(PP 0.17.1) python3 -m benchmarks.determinism --json $LOGS/det-0.17.1.json
+  step det-0.19.2 90 $(PP 0.19.2) python3 -m benchmarks.determinism --json $LOGS/det-0.19.2.json --compare $LOGS/det-0.17.1.json
+}
+lane1 & lane2 & lane3 & wait
+for v in 0.17.1 0.19.2; do  # benchmarks: the GPU to themselves
+  step bench-$v 60 $(PP $v) python3 -m benchmarks.bench_gdn_thd --json-dir $LOGS
+done
+for v in 0.17.1 0.19.2 0.18.2; do
+  step stack-$v 90 $(PP $v) python3 -m benchmarks.bench_stack --json $LOGS/stack-$v.json
+done
+echo; (cd $LOGS && grep -H "passed\|failed\|error\|Error\|^\[\|bitwise\|differ\|^THD\|^padded\|^per-seq\|^megatron-core\|^mode\|^one GDN\|^stack\|^what\|^step\|^whole\|^fla\|^gating\|^q/k\|^in_proj\|^out_proj" *.log \
+  | grep -v "warnings.warn\|^\S*:\s*$" | cut -c1-300 | head -150)
+echo "[plan] finished at +$(( $(date +%s) - T0 ))s:"; for f in /tmp/done/*; do echo "  $(basename $f) rc=$(cat $f)"; done
+if [ -n "${OUT:-}" ]; then
+  for f in $LOGS/*.log; do echo "===== $(basename $f)"; cat $f; done > $OUT/all-logs.txt
+  tar -C $LOGS -cf $OUT/json.tar $(cd $LOGS && ls *.json 2>/dev/null) 2>/dev/null
+  if [ "${SAVE_CACHE:-1}" = 1 ]; then  # for the next fresh machine: at most 4 parts of 15 MiB
+    tar -C /tmp -cf - triton-cache inductor-cache 2>/dev/null | xz -T0 -2 | split -b 15M -a 1 - $OUT/tcache.tar.xz.
+    n=$(ls $OUT/tcache.tar.xz.* | wc -l); [ "$n" -le 4 ] || { echo "[plan] cache too big ($n parts): not kept"; rm -f $OUT/tcache.tar.xz.*; }
+  fi
+fi
+true
