@@ -80,3 +80,22 @@ def test_unpacked_deterministic_input_is_the_release_forward(layer, megatron_cpu
         got = packed_run(layer, x, None)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
+
+
+def test_the_fla_core_normalises_q_and_k_with_the_l2norm_the_release_itself_uses(megatron_cpu):
+    """On CUDA deterministic THD runs fla's kernels with the release's l2norm (0.19 keeps it in the
+    package's common.py, not next to forward): the function its own THD preparation reads."""
+    import inspect
+    import sys
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from gdn_compat._probe import probe
+    from gdn_compat.patches.gdn_thd.kernels import Core
+
+    # its jit_fuser (torch.compile) wrapper keeps the function under __wrapped__
+    prepare = [inspect.unwrap(getattr(GatedDeltaNet, n)) for n in dir(GatedDeltaNet) if n.startswith("_prepare")]
+    used = {id(f.__globals__["l2norm"]) for f in prepare if "l2norm" in f.__code__.co_names}
+    assert len(used) == 1, [f.__qualname__ for f in prepare]
+    core = Core(sys.modules[GatedDeltaNet.forward.__module__], probe().fla_varlen)
+    assert id(core.l2norm_home.l2norm) in used

@@ -34,10 +34,18 @@ step() {  # step NAME MIN_SECONDS ENV... -- COMMAND...
 }
 PP() { echo "PYTHONPATH=$root:/tmp/mc-$1:/tmp/fla"; }
 PT="python3 -m pytest -q -s -rs -p no:cacheprovider -W ignore"
-lane1() { for v in 0.17.1 0.19.2; do step gpu-$v 120 $(PP $v) GDN_XVER_DIR=/tmp/xver $PT tests/gpu; done; }
-lane2() { for v in 0.16.1 0.18.2; do step gpu-$v 120 $(PP $v) $PT tests/gpu; done; }
-lane3() {
-  step det-0.17.1 90 $(PP 0.17.1) python3 -m benchmarks.determinism --json $LOGS/det-0.17.1.json
+# acc-*: the tests that compare releases (GDN_XVER_DIR), in order, for a call where gpu-0.17.1 ran before
+lane1() {
+  step acc-0.17.1 120 $(PP 0.17.1) GDN_XVER_DIR=/tmp/xver $PT tests/gpu/test_acceptance_gpu.py tests/gpu/test_gdn_thd_gpu.py
+  for v in 0.17.1 0.19.2; do step gpu-$v 120 $(PP $v) GDN_XVER_DIR=/tmp/xver $PT tests/gpu; done
+}
+lane2() {
+  for v in 0.16.1 0.18.2; do step gpu-$v 120 $(PP $v) $PT tests/gpu; done
+  step mtp-0.16.1 60 $(PP 0.16.1) $PT tests/gpu/test_acceptance_gpu.py -k mtp
+}
+lane3() {  # a carried .tcache/det-call1.json is an earlier machine's run: same autotune cache, other process
+  step det-0.17.1 90 $(PP 0.17.1) python3 -m benchmarks.determinism --json $LOGS/det-0.17.1.json \
+    $([ -e .tcache/det-call1.json ] && echo --compare $root/.tcache/det-call1.json)
   step det-0.19.2 90 $(PP 0.19.2) python3 -m benchmarks.determinism --json $LOGS/det-0.19.2.json --compare $LOGS/det-0.17.1.json
 }
 lane1 & lane2 & lane3 & wait

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -96,7 +97,11 @@ class Core:
     """The two ways to run the packed core, bound to one release module and one fla."""
 
     def __init__(self, release: Any, varlen: Varlen, atomic_free: Accepts = Accepts.UNKNOWN):
-        self.release = release  # its l2norm and torch_chunk_gated_delta_rule are read at call time
+        self.release = release  # its torch_chunk_gated_delta_rule and l2norm are read at call time
+        # 0.16-0.18 import fla's l2norm into the GDN module; 0.19 into the package's common.py, where
+        # its torch_chunk_gated_delta_rule lives
+        rule = getattr(release, "torch_chunk_gated_delta_rule", None)
+        self.l2norm_home = release if hasattr(release, "l2norm") or rule is None else sys.modules[rule.__module__]
         self.rule_host = {"cu_seqlens_cpu"} if varlen.rule_cpu is Accepts.YES else set()
         self.conv_host = {"cu_seqlens_cpu"} if varlen.conv_cpu is Accepts.YES else set()
         self.fla_deterministic = atomic_free is Accepts.YES
@@ -122,7 +127,7 @@ class Core:
         prepare, gb = _fused()
         query, key, value, gate, beta, alpha = prepare(
             qkv, gate, beta, alpha, total, loc.qk, loc.v, loc.dk, loc.dv, loc.repeat, bool(layer.use_qk_l2norm),
-            self.release.l2norm,
+            self.l2norm_home.l2norm,
         )
         g, beta = gb(loc.A_log, loc.dt_bias, alpha, beta)
         out, _ = chunk_gated_delta_rule(
