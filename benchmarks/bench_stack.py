@@ -67,7 +67,7 @@ def stack_rows(reps: int) -> dict:
     return rows
 
 
-def layer_rows(reps: int, graph: bool) -> dict:
+def layer_rows(reps: int, graph: bool, profile: bool = False) -> dict:
     rows = {}
     layer = build_gdn(device="cuda", dtype=torch.bfloat16, **QWEN3_NEXT)
     for tokens in LAYER_TOKENS:  # one long sequence plus a short one: a pack, not a batch
@@ -96,6 +96,15 @@ def layer_rows(reps: int, graph: bool) -> dict:
     ms, _ = timed(eager, reps)
     rows[f"one GDN layer, rl pack ({sum(lengths)} tokens), eager"] = {"ms": round(ms, 2),
                                                                       "syncs_per_step": len(host_syncs(eager))}
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                eager()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     if graph:
         g, _, _ = capture(layer, x, dy, psp)
         ms, _ = timed(g.replay, reps)
@@ -108,6 +117,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", choices=["stack", "layer"], default=None)
+    ap.add_argument("--profile", action="store_true", help="torch profiler table of 3 eager rl-pack layer steps")
     args = ap.parse_args()
     from tests.support.megatron import world
 
@@ -119,7 +129,7 @@ def main() -> None:
         mode = "native" if facts.gdn_thd == "native" else f"gdn_compat ({', '.join(report.applied)})"
         rows: dict = {}
         parts = {"stack": lambda: stack_rows(args.reps),
-                 "layer": lambda: layer_rows(args.reps, graph=facts.gdn_thd == "refuses")}
+                 "layer": lambda: layer_rows(args.reps, graph=facts.gdn_thd == "refuses", profile=args.profile)}
         for name, part in parts.items():
             if args.only in (None, name):
                 try:

@@ -41,6 +41,7 @@ lane1() {
 }
 lane2() {
   for v in 0.16.1 0.18.2; do step gpu-$v 120 $(PP $v) $PT tests/gpu; done
+  for v in 0.18.2 0.19.2 0.17.1; do step det-gpu-$v 45 $(PP $v) $PT tests/gpu/test_deterministic_gpu.py; done
   step mtp-0.16.1 60 $(PP 0.16.1) $PT tests/gpu/test_acceptance_gpu.py -k mtp
 }
 lane3() {  # a carried .tcache/det-call1.json is an earlier machine's run: same autotune cache, other process
@@ -54,6 +55,11 @@ for v in 0.17.1 0.19.2; do  # benchmarks: the GPU to themselves
 done
 for v in 0.17.1 0.19.2 0.18.2; do
   step stack-$v 90 $(PP $v) python3 -m benchmarks.bench_stack --json $LOGS/stack-$v.json
+done
+# diagnosis: the rl-pack layer's CPU time per op, after the stack (0.17.1) and in fresh processes
+step prof-0.17.1 60 $(PP 0.17.1) TORCH_LOGS=recompiles python3 -m benchmarks.bench_stack --profile --reps 5
+for v in 0.17.1 0.19.2; do
+  step proflayer-$v 45 $(PP $v) TORCH_LOGS=recompiles python3 -m benchmarks.bench_stack --only layer --profile --reps 5
 done
 echo; (cd $LOGS && grep -H "passed\|failed\|error\|Error\|^\[\|bitwise\|differ\|^THD\|^padded\|^per-seq\|^megatron-core\|^mode\|^one GDN\|^stack\|^what\|^step\|^whole\|^fla\|^gating\|^q/k\|^in_proj\|^out_proj" *.log \
   | grep -v "warnings.warn\|^\S*:\s*$" | cut -c1-300 | head -150)
