@@ -412,13 +412,12 @@ _ATOMIC = re.compile(r"\b(?:tl\.atomic_\w+|atomic_add|atomic_max|atomic_min|atom
 
 def _fla_module_of(obj: Any, prefix: str, depth: int = 0) -> str | None:
     """The fla module that defines ``obj`` (a Triton Autotuner/Heuristics is unwrapped to its ``fn``)."""
-    if inspect.ismodule(obj):
-        name = obj.__name__
-    else:
-        name = getattr(obj, "__module__", None)
-        if not (isinstance(name, str) and name.startswith(prefix)):
-            return _fla_module_of(obj.fn, prefix, depth + 1) if depth < 4 and hasattr(obj, "fn") else None
-    return name if name == prefix or name.startswith(prefix + ".") else None
+    name = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None)
+    if isinstance(name, str) and (name == prefix or name.startswith(prefix + ".")):
+        return name
+    if not inspect.ismodule(obj) and depth < 4 and hasattr(obj, "fn"):
+        return _fla_module_of(obj.fn, prefix, depth + 1)
+    return None
 
 
 def atomic_free(*entry_points: Any, prefix: str = "fla") -> tuple[Accepts, str]:
