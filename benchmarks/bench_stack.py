@@ -14,33 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from benchmarks.bench_gdn_thd import measure
 from tests.support.gdn import DESIGN_LENGTHS, QWEN3_NEXT, RL_LENGTHS, build_gdn, capture, host_syncs, offsets, packed
 
 PACKS = {"rl": RL_LENGTHS, "16k": DESIGN_LENGTHS, "64k": [32768, 16384, 8192, 8192]}
 STACK_SHAPE = dict(QWEN3_NEXT, ffn=4096)
 LAYER_TOKENS = (16384, 65536, 131072)
-
-
-def timed(step, reps: int, warmup: int = 3) -> tuple[float, float]:
-    """Median ms of ``reps`` steps after ``warmup``, and peak MiB above what was allocated before."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def stack_rows(reps: int) -> dict:
@@ -59,7 +41,7 @@ def stack_rows(reps: int) -> dict:
             loss = model(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels, packed_seq_params=psp)
             loss.float().sum().backward()
 
-        ms, mib = timed(step, reps)
+        ms, mib = measure(step, reps, warmup=3)
         rows[f"stack 8 layers, {name} pack ({sum(lengths)} tokens)"] = {
             "ms": round(ms, 2), "peak_mib": round(mib), "syncs_per_step": len(host_syncs(step))}
     del model
@@ -79,7 +61,7 @@ def layer_rows(reps: int, graph: bool, profile: bool = False) -> dict:
         def step(x=x, psp=psp):
             layer(x, None, packed_seq_params=psp)[0].sum().backward()
 
-        ms, mib = timed(step, reps)
+        ms, mib = measure(step, reps, warmup=3)
         rows[f"one GDN layer, cp=1, {tokens} tokens"] = {"ms": round(ms, 2), "peak_mib": round(mib)}
         del x
         torch.cuda.empty_cache()
@@ -93,7 +75,7 @@ def layer_rows(reps: int, graph: bool, profile: bool = False) -> dict:
     def eager():
         layer(xe, None, packed_seq_params=psp)[0].backward(dy)
 
-    ms, _ = timed(eager, reps)
+    ms, _ = measure(eager, reps, warmup=3)
     rows[f"one GDN layer, rl pack ({sum(lengths)} tokens), eager"] = {"ms": round(ms, 2),
                                                                       "syncs_per_step": len(host_syncs(eager))}
     if profile:
@@ -107,7 +89,7 @@ def layer_rows(reps: int, graph: bool, profile: bool = False) -> dict:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     if graph:
         g, _, _ = capture(layer, x, dy, psp)
-        ms, _ = timed(g.replay, reps)
+        ms, _ = measure(g.replay, reps, warmup=3)
         rows[f"one GDN layer, rl pack ({sum(lengths)} tokens), CUDA graph replay"] = {"ms": round(ms, 2)}
     return rows
 

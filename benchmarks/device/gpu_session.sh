@@ -9,29 +9,12 @@
 # crash check, then the 2-GPU context-parallel test per release), then the benchmarks alone.
 set -u
 T0=$(date +%s); DEADLINE=${DEADLINE:-565}
-root=$(pwd); LOGS=/tmp/logs; mkdir -p /tmp/done $LOGS
-[ -n "$(ls /tmp/done)" ] || rm -rf /tmp/xver  # a fresh plan never compares against an older run
+root=$(pwd); LOGS=/tmp/logs
+[ -n "$(ls /tmp/done 2>/dev/null)" ] || rm -rf /tmp/xver  # a fresh plan never compares against an older run
 mkdir -p /tmp/xver
 export GDN_XVER_DIR=/tmp/xver PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
-left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
-for v in 0.16.1 0.17.1 0.18.2 0.19.2; do
-  [ -d /tmp/mc-$v ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mc-$v .whl/megatron_core-$v-*.whl
-done
-[ -d /tmp/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .whl/fla_core-*.whl
+source benchmarks/device/lib.sh
 [ -d /tmp/fla6 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla6 .whl6/*.whl
-step() {  # step NAME MIN_SECONDS ENV... -- COMMAND...
-  local name=$1 min=$2; shift 2
-  [ -e /tmp/done/$name ] && return 0
-  local l; l=$(left); if [ "$l" -lt "$min" ]; then echo "[lanes] skip $name: ${l}s left"; return 0; fi
-  echo "[lanes] start $name at +$(( $(date +%s) - T0 ))s"
-  local s=$(date +%s)
-  timeout -k 10 "$l" env "$@" > $LOGS/$name.log 2>&1; local rc=$?
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "[lanes] $name cut at deadline after $(( $(date +%s) - s ))s"; return 0; fi
-  echo "$rc" > /tmp/done/$name
-  echo "[lanes] done $name rc=$rc in $(( $(date +%s) - s ))s"
-}
-PP() { echo "PYTHONPATH=$root:/tmp/mc-$1:${2:-/tmp/fla}"; }
-PT="python3 -m pytest -q -s -rs -p no:cacheprovider -W ignore"
 lane1() {
   for v in 0.17.1 0.19.2 0.16.1 0.18.2; do
     step gpu-$v 90 $(PP $v) CUDA_VISIBLE_DEVICES=0 $PT tests/gpu

@@ -8,32 +8,14 @@
 # benchmarks alone.
 set -u
 T0=$(date +%s); DEADLINE=${DEADLINE:-540}
-root=$(pwd); LOGS=/tmp/logs; mkdir -p /tmp/done $LOGS /tmp/xver
+root=$(pwd); LOGS=/tmp/logs; mkdir -p /tmp/xver
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 if [ ! -d /tmp/triton-cache ] && ls .tcache/tcache.tar.xz.* >/dev/null 2>&1; then
   cat .tcache/tcache.tar.xz.* | tar -C /tmp -xJf - && echo "[plan] Triton/inductor cache restored: $(du -sh /tmp/triton-cache | cut -f1)"
 fi
-left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
-for v in 0.16.1 0.17.1 0.18.2 0.19.2; do
-  [ -d /tmp/mc-$v ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mc-$v .whl/megatron_core-$v-*.whl
-done
-[ -d /tmp/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .whl/fla_core-*.whl
 WANT=" ${*:-all} "
-step() {  # step NAME MIN_SECONDS ENV... -- COMMAND...
-  local name=$1 min=$2; shift 2
-  [ -e /tmp/done/$name ] && return 0
-  [ "$WANT" = " all " ] || [[ "$WANT" == *" $name "* ]] || return 0
-  local l; l=$(left); if [ "$l" -lt "$min" ]; then echo "[plan] skip $name: ${l}s left"; return 0; fi
-  echo "[plan] start $name at +$(( $(date +%s) - T0 ))s"
-  local s=$(date +%s)
-  timeout -k 10 "$l" env "$@" > $LOGS/$name.log 2>&1; local rc=$?
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "[plan] $name cut at deadline after $(( $(date +%s) - s ))s"; return 0; fi
-  echo "$rc" > /tmp/done/$name
-  echo "[plan] done $name rc=$rc in $(( $(date +%s) - s ))s"
-}
-PP() { echo "PYTHONPATH=$root:/tmp/mc-$1:/tmp/fla"; }
-PT="python3 -m pytest -q -s -rs -p no:cacheprovider -W ignore"
+source benchmarks/device/lib.sh
 # acc-*: the tests that compare releases (GDN_XVER_DIR), in order, for a call where gpu-0.17.1 ran before
 lane1() {
   step acc-0.17.1 120 $(PP 0.17.1) GDN_XVER_DIR=/tmp/xver $PT tests/gpu/test_acceptance_gpu.py tests/gpu/test_gdn_thd_gpu.py

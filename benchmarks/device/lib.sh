@@ -1,0 +1,24 @@
+# Sourced by the device plans in this folder (offline device machine, wheels carried in .whl/).
+# Needs: T0, DEADLINE, LOGS, root. Optional: WANT (" step step ... " or " all ").
+# A finished step leaves /tmp/done/<step>; a step cut by the deadline does not, so a later call on the
+# same warm machine runs it again.
+mkdir -p /tmp/done "$LOGS"
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
+for v in 0.16.1 0.17.1 0.18.2 0.19.2; do
+  [ -d /tmp/mc-$v ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mc-$v .whl/megatron_core-$v-*.whl
+done
+[ -d /tmp/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .whl/fla_core-*.whl
+step() {  # step NAME MIN_SECONDS ENV... COMMAND...
+  local name=$1 min=$2; shift 2
+  [ -e /tmp/done/$name ] && return 0
+  [ "${WANT:- all }" = " all " ] || [[ "$WANT" == *" $name "* ]] || return 0
+  local l; l=$(left); if [ "$l" -lt "$min" ]; then echo "[plan] skip $name: ${l}s left"; return 0; fi
+  echo "[plan] start $name at +$(( $(date +%s) - T0 ))s"
+  local s=$(date +%s)
+  timeout -k 10 "$l" env "$@" > $LOGS/$name.log 2>&1; local rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "[plan] $name cut at deadline after $(( $(date +%s) - s ))s"; return 0; fi
+  echo "$rc" > /tmp/done/$name
+  echo "[plan] done $name rc=$rc in $(( $(date +%s) - s ))s"
+}
+PP() { echo "PYTHONPATH=$root:/tmp/mc-$1:${2:-/tmp/fla}"; }  # PP VERSION [FLA_DIR]
+PT="python3 -m pytest -q -s -rs -p no:cacheprovider -W ignore"
