@@ -1,8 +1,7 @@
 """Closer to training (#16): an 8-layer GDN + SwiGLU GPTModel (Qwen3-Next GDN head shape, hidden 2048,
 FFN 4096, a 128-token vocabulary so the GDN/MLP stack dominates), bf16, forward + backward of the
 per-token loss on one packed micro-batch; and one GDN layer at long context (cp = 1: time and peak
-memory), and, where gdn_compat's zero-sync packed path runs (0.16/0.17), that layer's fwd+bwd replayed
-from a CUDA graph. Median of --reps after 3 warm-up steps; host syncs counted over one step.
+memory). CUDA graphs with a new pack every step: benchmarks/bench_graphs.py. Median of --reps after 3 warm-up steps; host syncs counted over one step.
 
     python -m benchmarks.bench_stack [--reps 10] [--json FILE]     (from the repository root)
 
@@ -18,7 +17,7 @@ import json
 import torch
 
 from benchmarks.bench_gdn_thd import measure
-from tests.support.gdn import DESIGN_LENGTHS, QWEN3_NEXT, RL_LENGTHS, build_gdn, capture, host_syncs, offsets, packed
+from tests.support.gdn import DESIGN_LENGTHS, QWEN3_NEXT, RL_LENGTHS, build_gdn, host_syncs, offsets, packed
 
 PACKS = {"rl": RL_LENGTHS, "16k": DESIGN_LENGTHS, "64k": [32768, 16384, 8192, 8192]}
 STACK_SHAPE = dict(QWEN3_NEXT, ffn=4096)
@@ -49,7 +48,7 @@ def stack_rows(reps: int) -> dict:
     return rows
 
 
-def layer_rows(reps: int, graph: bool, profile: bool = False) -> dict:
+def layer_rows(reps: int, profile: bool = False) -> dict:
     rows = {}
     layer = build_gdn(device="cuda", dtype=torch.bfloat16, **QWEN3_NEXT)
     for tokens in LAYER_TOKENS:  # one long sequence plus a short one: a pack, not a batch
@@ -87,10 +86,6 @@ def layer_rows(reps: int, graph: bool, profile: bool = False) -> dict:
                 eager()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    if graph:
-        g, _, _ = capture(layer, x, dy, psp)
-        ms, _ = measure(g.replay, reps, warmup=3)
-        rows[f"one GDN layer, rl pack ({sum(lengths)} tokens), CUDA graph replay"] = {"ms": round(ms, 2)}
     return rows
 
 
@@ -111,7 +106,7 @@ def main() -> None:
         mode = "native" if facts.gdn_thd == "native" else f"gdn_compat ({', '.join(report.applied)})"
         rows: dict = {}
         parts = {"stack": lambda: stack_rows(args.reps),
-                 "layer": lambda: layer_rows(args.reps, graph=facts.gdn_thd == "refuses", profile=args.profile)}
+                 "layer": lambda: layer_rows(args.reps, profile=args.profile)}
         for name, part in parts.items():
             if args.only in (None, name):
                 try:

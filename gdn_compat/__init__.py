@@ -14,28 +14,31 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator
 
+from gdn_compat import graphs
 from gdn_compat._probe import Facts, probe
 from gdn_compat._registry import Record, Registry, Report, switches_from
 from gdn_compat.hazards import Finding, check
 from gdn_compat.patches import PATCHES
 
 __version__ = "0.1.0"
-__all__ = ["Facts", "Finding", "Record", "Report", "apply", "applied", "plan", "probe", "report", "revert"]
+__all__ = ["Facts", "Finding", "Record", "Report", "apply", "applied", "graphs", "plan", "probe", "report", "revert"]
 
 log = logging.getLogger("gdn_compat")
 _NAMES = tuple(p.name for p in PATCHES)
+_OPT_IN = frozenset(p.name for p in PATCHES if p.opt_in)
 _registry = Registry(PATCHES)
 _warned: set[Finding] = set()
 
 
 def apply(*, force: Iterable[str] = (), **switches: bool) -> Report:
     """Apply every patch this megatron-core needs, once, in a fixed order. ``apply(gdn_thd=False)`` or
-    ``GDN_COMPAT_DISABLE=gdn_thd,...`` turns patches off. A target that is no longer the release's
+    ``GDN_COMPAT_DISABLE=gdn_thd,...`` turns patches off; opt-in patches are on only with
+    ``apply(gdn_thd_graph_safe=True)`` or ``GDN_COMPAT_ENABLE=gdn_thd_graph_safe``. A target that is no longer the release's
     own object (another library replaced it) is skipped with the reason, unless named in ``force``.
     Thread-safe, idempotent."""
     forced = _forced(force)
     facts = probe()
-    _registry.apply(facts, switches_from(_NAMES, switches), forced)
+    _registry.apply(facts, switches_from(_NAMES, switches, _OPT_IN), forced)
     result = _report(facts)
     for finding in result.findings:  # after the patch decisions, once per process
         if finding.severity != "info" and finding not in _warned:
@@ -47,7 +50,7 @@ def apply(*, force: Iterable[str] = (), **switches: bool) -> Report:
 def plan(facts: Facts | None = None, *, force: Iterable[str] = (), **switches: bool) -> list[Record]:
     """What ``apply()`` would decide for each patch now (status ``would_apply`` / ``skipped`` /
     ``applied`` when already applied), changing nothing."""
-    return _registry.decide(facts or probe(), switches_from(_NAMES, switches), _forced(force))
+    return _registry.decide(facts or probe(), switches_from(_NAMES, switches, _OPT_IN), _forced(force))
 
 
 def revert() -> Report:

@@ -43,6 +43,12 @@ def doctor(key_head_dim: int | None = None) -> dict[str, Any]:
 _DETERMINISTIC = {"no": "refused (asserts)", "yes": "runs"}
 
 
+def _graph_safe(v: dict[str, Any]) -> bool:
+    from gdn_compat._probe import Accepts, Varlen
+
+    return Varlen(**{k: Accepts(x) for k, x in v.items()}).graph_safe
+
+
 def render(data: dict[str, Any]) -> str:
     f = data["facts"]
     mc, fla, gpu = f["megatron"] or {}, f["fla"] or {}, f["gpu"]
@@ -67,6 +73,8 @@ def render(data: dict[str, Any]) -> str:
         f"  MTP roll of a packed batch {f['mtp_roll']}",
         f"  fla chunk_gated_delta_rule cu_seqlens={v['rule']} cu_seqlens_cpu={v['rule_cpu']}",
         f"  fla causal_conv1d          cu_seqlens={v['conv']} cu_seqlens_cpu={v['conv_cpu']}",
+        f"  fla takes chunk indices    rule={v['rule_chunks']} rule fwd/bwd={v['rule_inner']} conv={v['conv_chunks']}"
+        + ("   (packed GDN can be captured in a CUDA graph)" if _graph_safe(v) else "   (no CUDA-graph capture of packed GDN)"),
         f"  fla kernels atomic-free    {f['fla_atomic_free']}   {f['notes'].get('fla_atomic_free', '')}"
         + ("   (deterministic THD runs them)" if f["fla_atomic_free"] == "yes" else ""),
     ]

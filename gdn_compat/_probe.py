@@ -122,10 +122,19 @@ class Varlen:
     rule_cpu: Accepts = Accepts.ABSENT  # chunk_gated_delta_rule(cu_seqlens_cpu=)
     conv: Accepts = Accepts.ABSENT  # causal_conv1d(cu_seqlens=)
     conv_cpu: Accepts = Accepts.ABSENT  # causal_conv1d(cu_seqlens_cpu=)
+    rule_chunks: Accepts = Accepts.ABSENT  # chunk_gated_delta_rule(chunk_indices=) (fla-core >= 0.6)
+    rule_inner: Accepts = Accepts.ABSENT  # fla's chunk_gated_delta_rule_fwd/_bwd take chunk_indices (0.4.x)
+    conv_chunks: Accepts = Accepts.ABSENT  # causal_conv1d(chunk_indices=)
 
     @property
     def usable(self) -> bool:
         return self.rule is Accepts.YES and self.conv is Accepts.YES
+
+    @property
+    def graph_safe(self) -> bool:
+        """Both kernels can be handed chunk indices computed on the device (no host read per call)."""
+        rule = Accepts.YES in (self.rule_chunks, self.rule_inner)
+        return self.usable and rule and self.conv_chunks is Accepts.YES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +155,7 @@ class Facts:
     gdn_file: str | None = None
     gdn_thd: Thd = Thd.ABSENT
     gdn_legacy_shape: bool = False  # the exact 0.16/0.17 forward and helpers gdn_thd relies on
+    gdn_native_shape: bool = False  # the exact 0.18/0.19 native-THD forward and helpers gdn_compat's routes wrap
     gdn_cp: Cp = Cp.ABSENT
     gdn_conv: Conv = Conv.ABSENT  # the unpacked conv of this release's GDN
     gdn_init_cp_comm_type: Accepts = Accepts.ABSENT  # GatedDeltaNet.__init__(cp_comm_type=)
@@ -262,11 +272,12 @@ def _probe_deterministic_thd(out: dict[str, Any], cls: Any, defining: Any, param
     if out["gdn_thd"] is not Thd.NATIVE:
         out["gdn_thd_deterministic"] = Accepts.UNKNOWN
         return
+    out["gdn_native_shape"] = bool(params == GDN_NATIVE_PARAMS and callable(getattr(cls, "_apply_gated_norm", None))
+                                   and callable(getattr(defining, "torch_chunk_gated_delta_rule", None)))
     if DETERMINISTIC_THD_REFUSAL not in src:
         out["gdn_thd_deterministic"] = Accepts.UNKNOWN
         out["notes"]["gdn_thd_deterministic"] = "GatedDeltaNet.forward no longer carries the deterministic THD assertion"
-    elif not (params == GDN_NATIVE_PARAMS and callable(getattr(cls, "_apply_gated_norm", None))
-              and callable(getattr(defining, "torch_chunk_gated_delta_rule", None))):
+    elif not out["gdn_native_shape"]:
         out["gdn_thd_deterministic"] = Accepts.UNKNOWN
         out["notes"]["gdn_thd_deterministic"] = ("GatedDeltaNet refuses deterministic THD, but its forward "
                                                  "signature or helpers differ from 0.18/0.19")
@@ -397,12 +408,32 @@ def _probe_fla(out: dict[str, Any]) -> None:
         if out["fla"] is not None:
             out["fla"] = dataclasses.replace(out["fla"], path=getattr(sys.modules.get("fla"), "__file__", None))
         out["fla_varlen"] = Varlen(rule=accepts(rule, "cu_seqlens"), rule_cpu=accepts(rule, "cu_seqlens_cpu"),
-                                   conv=accepts(conv, "cu_seqlens"), conv_cpu=accepts(conv, "cu_seqlens_cpu"))
+                                   conv=accepts(conv, "cu_seqlens"), conv_cpu=accepts(conv, "cu_seqlens_cpu"),
+                                   rule_chunks=accepts(rule, "chunk_indices"), rule_inner=_inner_rule(),
+                                   conv_chunks=accepts(conv, "chunk_indices"))
         out["fla_atomic_free"], out["notes"]["fla_atomic_free"] = atomic_free(rule, conv)
         return
     unknown = Accepts.UNKNOWN
     out["fla_varlen"] = Varlen(unknown, unknown, unknown, unknown)
     out["notes"]["fla_varlen"] = f"fla failed to import ({out['fla_error']})"
+
+
+# What gdn_thd's _Rule passes to fla 0.4.x's own forward and backward, by keyword.
+INNER_FWD = {"q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens", "chunk_indices"}
+INNER_BWD = {"q", "k", "v", "g", "beta", "A", "scale", "initial_state", "do", "dht", "cu_seqlens", "chunk_indices"}
+
+
+def _inner_rule() -> Accepts:
+    """fla's ``chunk_gated_delta_rule_fwd`` / ``_bwd`` take every argument gdn_thd's ``_Rule`` passes."""
+    try:
+        mod = importlib.import_module("fla.ops.gated_delta_rule.chunk")
+        fwd, bwd = mod.chunk_gated_delta_rule_fwd, mod.chunk_gated_delta_rule_bwd
+        ok = INNER_FWD <= set(inspect.signature(fwd).parameters) and INNER_BWD <= set(inspect.signature(bwd).parameters)
+    except AttributeError:
+        return Accepts.ABSENT
+    except Exception:  # noqa: BLE001 - unreadable: not used
+        return Accepts.UNKNOWN
+    return Accepts.YES if ok else Accepts.NO
 
 
 # Order-dependent accumulation: Triton atomics, and torch's accumulating index ops (atomics on CUDA).

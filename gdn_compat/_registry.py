@@ -24,6 +24,7 @@ log = logging.getLogger("gdn_compat")
 Status = Literal["applied", "would_apply", "skipped", "failed", "reverted", "left_in_place"]
 MARKER = "__gdn_compat_patch__"
 ENV_DISABLE = "GDN_COMPAT_DISABLE"
+ENV_ENABLE = "GDN_COMPAT_ENABLE"  # opt-in patches
 
 
 class _NotSet:
@@ -58,7 +59,8 @@ class Target:
 class Patch:
     """One patch. ``decide(facts)`` returns None when this release needs it, else the reason to
     skip; ``build(facts, original)`` returns the replacement for ``target``'s current object.
-    ``requires`` names patches that must be applied first (else this one is skipped)."""
+    ``requires`` names patches that must be applied first (else this one is skipped). An ``opt_in``
+    patch is off unless ``apply(name=True)`` or ``GDN_COMPAT_ENABLE`` names it."""
 
     name: str
     target: Target
@@ -66,6 +68,7 @@ class Patch:
     build: Callable[[Facts, Any], Any]
     summary: str
     requires: tuple[str, ...] = ()
+    opt_in: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +131,11 @@ def foreign(owner: Any, attr: str, obj: Any) -> str | None:
     return f"{name} is no longer the release's own: {describe(obj)}"
 
 
-def switches_from(names: tuple[str, ...], switches: dict[str, bool]) -> dict[str, str]:
-    """Keyword switches merged with ``GDN_COMPAT_DISABLE``: name -> why it is off (absent when on).
-    Unknown names and non-bool values are errors naming them."""
+def switches_from(names: tuple[str, ...], switches: dict[str, bool],
+                  opt_in: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Keyword switches merged with ``GDN_COMPAT_DISABLE`` / ``GDN_COMPAT_ENABLE``: name -> why it is off
+    (absent when on). ``opt_in`` patches are off unless switched on. Unknown names and non-bool values
+    are errors naming them."""
     unknown = sorted(set(switches) - set(names))
     if unknown:
         raise TypeError(f"apply() got unknown patch switch(es) {unknown}; known patches: {list(names)}")
@@ -146,6 +151,13 @@ def switches_from(names: tuple[str, ...], switches: dict[str, bool]) -> dict[str
     if bad:
         raise ValueError(f"{ENV_DISABLE}={raw!r} names unknown patch(es) {bad}; known patches: {list(names)}")
     off.update({name: f"disabled by {ENV_DISABLE}={raw}" for name in listed})
+    raw_on = os.environ.get(ENV_ENABLE, "")
+    enabled = {part.strip() for part in raw_on.split(",") if part.strip()}
+    if enabled - set(opt_in):
+        raise ValueError(f"{ENV_ENABLE}={raw_on!r} names {sorted(enabled - set(opt_in))}, which are not opt-in "
+                         f"patches; opt-in patches: {sorted(opt_in)}")
+    for name in sorted(opt_in - enabled - {k for k, v in switches.items() if v is True} - set(off)):
+        off[name] = f"opt-in, off by default: apply({name}=True) or {ENV_ENABLE}={name} turns it on"
     return off
 
 
@@ -177,7 +189,9 @@ class Registry:
 
         if self.is_applied(patch.name):
             return record("applied", "already applied")
-        if patch.name in off:
+        if patch.name in off:  # an opt-in patch this release does not need says so rather than "off"
+            if patch.opt_in:
+                return record("skipped", patch.decide(facts) or f"{facts.release}: {off[patch.name]}")
             return record("skipped", off[patch.name])
         for need in patch.requires:
             dep = earlier.get(need)

@@ -10,10 +10,11 @@ from gdn_compat.patches import (
     gdn_out_norm_tp_grad,
     gdn_thd,
     gdn_thd_deterministic,
+    gdn_thd_graph_safe,
     mtp_packed_recompute,
     mtp_packed_roll,
     mtp_padding_mask,
 )
 
-PATCHES = (gdn_thd.PATCH, gdn_thd_deterministic.PATCH, config_gdn_cp.PATCH, gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH,
+PATCHES = (gdn_thd.PATCH, gdn_thd_deterministic.PATCH, gdn_thd_graph_safe.PATCH, config_gdn_cp.PATCH, gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH,
            mtp_packed_recompute.PATCH, mtp_packed_roll.PATCH, mtp_padding_mask.PATCH)

@@ -14,7 +14,9 @@ p + 1 of the same sequence while p + 1 is one of its real tokens; the last real 
 padding slot get 0. Under context parallelism (Megatron's load balancing: rank r holds chunks r and
 2*cp-1-r of every sequence) the rank's shard is all-gathered once and rolled by a precomputed index.
 The index is derived once per pack from gdn_thd's pack cache (one host copy per pack, shared with
-the GDN layers of the micro-batch); a roll itself makes no host sync. For unpadded packs at cp = 1
+the GDN layers of the micro-batch); a roll itself makes no host sync. Under CUDA-graph capture (or
+for a ``gdn_compat.graphs.PackBuffer``) gdn_thd hands over a device pack and the index is built with
+device ops from the offsets, so a captured MTP step replays any layout. For unpadded packs at cp = 1
 the result is bitwise the release's.
 """
 
@@ -46,6 +48,11 @@ def roll_index(pack: Pack, cp: int, rank: int, local: int, device: torch.device)
     """(index, keep) on ``device``: rolled[j] = source[index[j]] where keep[j], else 0. ``source`` is
     the local tensor at cp = 1, else the cp ranks' shards concatenated in rank order (the order
     ``pack.perm`` indexes: gdn_thd's load-balancing permutation, reused, not rebuilt)."""
+    if pack.real_ends is not None:  # a graph-safe device pack (cp = 1): the same rule, with device ops only
+        position = torch.arange(local, device=device)
+        seq = torch.searchsorted(pack.cu[1:].to(torch.int64), position, right=True)
+        keep = position + 1 < pack.real_ends[seq.clamp_(max=pack.real_ends.numel() - 1)]
+        return (position + 1).clamp_(max=max(local - 1, 0)), keep
     total = local * cp
     keep = torch.zeros(total, dtype=torch.bool)
     for (start, _), end in zip(pack.spans, pack.ends):

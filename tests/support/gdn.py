@@ -154,23 +154,3 @@ def use_torch_l2norm(monkeypatch) -> None:
     for name, mod in list(sys.modules.items()):
         if name.startswith("megatron.core.ssm.gated_delta_net") and hasattr(mod, "l2norm"):
             monkeypatch.setattr(mod, "l2norm", l2norm_ref)
-
-
-def capture(layer, x, dy, psp, warmup: int = 3):
-    """Record layer fwd+bwd on static x / dy; returns (graph, static output, static x)."""
-    sx = x.detach().clone().requires_grad_(True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream: autotuning, the pack's host copy
-        for _ in range(warmup):
-            layer.zero_grad(set_to_none=True)
-            sx.grad = None
-            layer(sx, None, packed_seq_params=psp)[0].backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    layer.zero_grad(set_to_none=True)
-    sx.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(sx, None, packed_seq_params=psp)[0]
-        out.backward(dy)
-    return graph, out, sx

@@ -7,7 +7,11 @@ on an H200: README, "Deterministic packed GDN"). Otherwise deterministic mode ta
 one sequence at a time, as the release itself does for unpacked input.
 
 ``Core`` is built once per ``apply()`` with the release module and the probed fla signatures; the
-forward hands it the layer, this rank's share of the parameters (``Local``) and the pack.
+forward hands it the layer, this rank's share of the parameters (``Local``) and the pack. fla gets the
+pack's chunk indices (``Pack.chunks``) rather than host offsets, for a host pack and a graph-safe device
+pack alike: fla-core >= 0.6 takes them in its public ``chunk_gated_delta_rule``; for 0.4.x, whose public
+function builds them on the host (``.tolist()``), ``_Rule`` calls fla's own forward and backward, which
+take them, in the order fla's autograd Function does.
 """
 
 from __future__ import annotations
@@ -23,6 +27,27 @@ import torch.nn.functional as F
 from gdn_compat._probe import Accepts, Varlen
 from gdn_compat.patches.gdn_thd import context_parallel as cpx
 from gdn_compat.patches.gdn_thd.pack import Pack
+
+
+class _Rule(torch.autograd.Function):
+    """fla 0.4.x's ``chunk_gated_delta_rule`` (no initial or final state, q/k already normalised) with
+    the chunk indices handed in: the same calls as fla's ``ChunkGatedDeltaRuleFunction``, whose public
+    entry would build the indices on the host."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, cu, chunks, fwd, bwd):  # type: ignore[override]
+        g, o, A, *_ = fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=None, output_final_state=False,
+                          cu_seqlens=cu, chunk_indices=chunks)
+        ctx.save_for_backward(q, k, v, g, beta, A, cu, chunks)
+        ctx.scale, ctx.bwd = scale, bwd
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):  # type: ignore[override]
+        q, k, v, g, beta, A, cu, chunks = ctx.saved_tensors
+        dq, dk, dv, db, dg, _ = ctx.bwd(q=q, k=k, v=v, g=g, beta=beta, A=A, scale=ctx.scale, initial_state=None,
+                                        do=do.contiguous(), dht=None, cu_seqlens=cu, chunk_indices=chunks)
+        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), None, None, None, None, None
 
 
 def l2norm_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -102,9 +127,48 @@ class Core:
         # its torch_chunk_gated_delta_rule lives
         rule = getattr(release, "torch_chunk_gated_delta_rule", None)
         self.l2norm_home = release if hasattr(release, "l2norm") or rule is None else sys.modules[rule.__module__]
-        self.rule_host = {"cu_seqlens_cpu"} if varlen.rule_cpu is Accepts.YES else set()
-        self.conv_host = {"cu_seqlens_cpu"} if varlen.conv_cpu is Accepts.YES else set()
+        self.varlen = varlen
         self.fla_deterministic = atomic_free is Accepts.YES
+
+    def rule(self, query, key, value, g, beta, pack: Pack):
+        """fla's delta rule over the pack, handed its chunk indices where fla takes them."""
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        if self.varlen.rule_chunks is Accepts.YES:
+            out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None,
+                                            output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                            cu_seqlens=pack.cu, chunk_indices=pack.chunks)
+            return out
+        if self.varlen.rule_inner is Accepts.YES:
+            from fla.ops.gated_delta_rule import chunk as fla_chunk
+
+            return _Rule.apply(query, key, value, g, beta, key.shape[-1] ** -0.5, pack.cu, pack.chunks,
+                               fla_chunk.chunk_gated_delta_rule_fwd, fla_chunk.chunk_gated_delta_rule_bwd)
+        host = {"cu_seqlens_cpu": pack.cu_cpu} if self.varlen.rule_cpu is Accepts.YES else {}
+        out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None,
+                                        output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                        cu_seqlens=pack.cu, **self._host(host, pack, "chunk_gated_delta_rule"))
+        return out
+
+    def conv(self, layer: Any, loc: Local, qkv, pack: Pack):
+        from fla.modules.convolution import causal_conv1d
+
+        if self.varlen.conv_chunks is Accepts.YES:
+            extra = {"chunk_indices": pack.chunks}
+        else:
+            extra = self._host({"cu_seqlens_cpu": pack.cu_cpu} if self.varlen.conv_cpu is Accepts.YES else {},
+                               pack, "causal_conv1d")
+        out, _ = causal_conv1d(x=qkv, weight=loc.conv_w.squeeze(1), bias=loc.conv_b, activation=layer.activation,
+                               initial_state=None, output_final_state=False, cu_seqlens=pack.cu, **extra)
+        return out
+
+    @staticmethod
+    def _host(extra: dict, pack: Pack, what: str) -> dict:
+        if pack.cu_cpu is None:  # a device pack: this fla would read the offsets on the host
+            raise RuntimeError(f"gdn_compat THD: the installed fla's {what} takes no chunk_indices, so a packed GDN "
+                               f"step cannot be captured in a CUDA graph (nor use a PackBuffer); install "
+                               f"fla-core >= 0.4.2")
+        return extra
 
     def __call__(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int):
         if qkv.is_cuda and (self.fla_deterministic or not layer.config.deterministic_mode):
@@ -112,36 +176,31 @@ class Core:
         return self.torch(layer, loc, qkv, gate, beta, alpha, pack)
 
     def fla(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int):
-        from fla.modules.convolution import causal_conv1d
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
         if layer.activation not in ("silu", "swish"):
             raise ValueError(f"gdn_compat THD: fla's causal_conv1d supports silu/swish, got activation "
                              f"{layer.activation!r}")
-        host = {"cu_seqlens_cpu": pack.cu_cpu}
-        qkv, _ = causal_conv1d(
-            x=qkv, weight=loc.conv_w.squeeze(1), bias=loc.conv_b, activation=layer.activation,
-            initial_state=None, output_final_state=False, cu_seqlens=pack.cu,
-            **{k: v for k, v in host.items() if k in self.conv_host},
-        )
+        qkv = self.conv(layer, loc, qkv, pack)
         prepare, gb = _fused()
         query, key, value, gate, beta, alpha = prepare(
             qkv, gate, beta, alpha, total, loc.qk, loc.v, loc.dk, loc.dv, loc.repeat, bool(layer.use_qk_l2norm),
             self.l2norm_home.l2norm,
         )
         g, beta = gb(loc.A_log, loc.dt_bias, alpha, beta)
-        out, _ = chunk_gated_delta_rule(
-            query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
-            use_qk_l2norm_in_kernel=False, cu_seqlens=pack.cu,
-            **{k: v for k, v in host.items() if k in self.rule_host},
-        )
-        return out, gate
+        return self.rule(query, key, value, g, beta, pack), gate
 
     def torch(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack):
+        spans = pack.spans
+        if pack.cu_cpu is None:  # a device pack: its offsets are host memory only on the CPU
+            if pack.cu.is_cuda:
+                raise RuntimeError("gdn_compat THD: this packed GDN call runs the per-sequence torch core "
+                                   "(deterministic_mode with fla kernels that use atomics), which reads the offsets "
+                                   "on the host: it cannot be captured in a CUDA graph")
+            bounds = pack.cu.tolist()
+            spans = tuple((a, b) for a, b in zip(bounds, bounds[1:]) if b > a)
         g, beta = g_and_beta(loc.A_log, loc.dt_bias, alpha, beta)
         outs = []
         width = loc.conv_w.shape[-1]
-        for start, end in pack.spans:  # one sequence at a time: state cannot cross a boundary
+        for start, end in spans:  # one sequence at a time: state cannot cross a boundary
             length = end - start
             x = qkv[:, start:end].transpose(1, 2).contiguous()  # b, s, d -> b, d, s
             # what the release's nn.Conv1d computes (padding width-1, one group per channel)

@@ -1,8 +1,19 @@
-"""The pack: validated sequence boundaries of a THD micro-batch, on host and device, cached per pack.
+"""The pack: validated sequence boundaries of a THD micro-batch, and fla's chunk indices for them.
 
-Every GDN layer of a micro-batch receives the same ``PackedSeqParams``; the boundaries are validated
-and copied to the host once (one device-to-host copy per pack) and handed to fla as
-``cu_seqlens_cpu``, so a layer call itself never syncs.
+Two ways to make one, chosen in ``pack_for`` and nowhere else:
+
+* host pack (eager, the default): every GDN layer of a micro-batch receives the same
+  ``PackedSeqParams``; the boundaries are validated and copied to the host once (one device-to-host
+  copy per pack, cached), zero-length sequences dropped, and the chunk indices built once;
+* device pack (graph-safe: under CUDA-graph capture, or for offsets held in a
+  ``gdn_compat.graphs.PackBuffer``): nothing is read on the host and nothing is cached, every size
+  comes from shapes: the offsets plus an appended empty sequence, and a chunk-index table of a fixed
+  ``T // 64 + N + 1`` rows whose rows past the real chunks point at that empty sequence (which every
+  fla kernel masks). One capture then replays any layout of ``T`` tokens in ``N`` offsets
+  (upstream #6796 names the blockers this removes). Offsets are checked by a device-side assert and
+  clamped, so bad offsets crash loudly instead of reading out of bounds.
+
+Either way the kernels get ``cu`` and ``chunks`` and run the same code (``kernels.py``).
 """
 
 from __future__ import annotations
@@ -16,13 +27,17 @@ import torch
 
 from gdn_compat.patches.gdn_thd import context_parallel as cpx
 
+CHUNK = 64  # fla's chunk size for the gated delta rule and its varlen conv
+
 
 @dataclasses.dataclass(frozen=True)
 class Pack:
-    cu: torch.Tensor  # device cu_seqlens handed to fla (zero-length sequences removed)
-    cu_cpu: torch.Tensor  # the same offsets on the host
-    spans: tuple[tuple[int, int], ...]  # (start, end) of every non-empty sequence (its padded slot)
+    cu: torch.Tensor  # device cu_seqlens handed to fla (host pack: zero-length sequences removed)
+    cu_cpu: torch.Tensor | None  # the same offsets on the host; None for a device pack
+    spans: tuple[tuple[int, int], ...]  # (start, end) of every non-empty sequence (its padded slot); host pack
     ends: tuple[int, ...] = ()  # where each span's real tokens end (cu_seqlens_q; < end when padded)
+    chunks: torch.Tensor | None = None  # [rows, 2] (sequence, chunk) of every 64-token chunk, for fla
+    real_ends: torch.Tensor | None = None  # device pack: where each sequence of ``cu`` has its last real token
     perm: torch.Tensor | None = None  # context parallel: received rows -> global token order
     inverse: torch.Tensor | None = None  # and back
     # what other users of the same pack derive from it once (the MTP roll's index), by their own key
@@ -147,13 +162,84 @@ def _layout(host: dict[str, list[int]], total: int, cp: int) -> tuple[str, list[
     return name, layout
 
 
+def chunk_indices(cu: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, 2] (sequence, chunk) of every ``CHUNK``-token chunk of the pack ``cu``, in order, as fla's
+    ``prepare_chunk_indices`` lays them out, computed with device ops only (no host read). Zero-length
+    sequences get no row and keep their own index (fla's ``prepare_chunk_indices`` numbers sequences by
+    their first chunks, so it would shift every later sequence onto an empty one). Rows past the real
+    chunks point at chunk 0 of the last sequence, which must then be empty."""
+    bounds = cu.to(torch.int64)
+    if bounds.numel() < 2:  # no sequence at all (an empty host pack)
+        return cu.new_zeros(rows, 2)
+    count = (bounds[1:] - bounds[:-1] + CHUNK - 1) // CHUNK
+    ends = torch.cumsum(count, 0)
+    row = torch.arange(rows, device=cu.device)
+    seq = torch.searchsorted(ends, row, right=True).clamp_(max=count.numel() - 1)
+    chunk = torch.where(row < ends[-1], row - (ends - count)[seq], 0)
+    return torch.stack([seq, chunk], 1).to(cu.dtype)
+
+
+# Offsets tensors that live in a gdn_compat.graphs.PackBuffer: always given a device pack, so warm-up,
+# capture and eager reference runs take the same path. id -> tensor (Tensor equality is elementwise).
+STATIC: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def graph_safe(given: dict[str, torch.Tensor]) -> bool:
+    """The one place that chooses the device pack: while a CUDA graph is being captured, or for offsets
+    held in a PackBuffer."""
+    if any(STATIC.get(id(t)) is t for t in given.values()):
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def device_pack(given: dict[str, torch.Tensor], total: int, device: torch.device, cp: int) -> Pack:
+    """The graph-safe pack: every size from shapes, no host read, no cache (see the module docstring)."""
+    if cp > 1:
+        raise NotImplementedError(
+            f"gdn_compat THD: a packed GDN step with context parallel size {cp} cannot be captured in a CUDA graph "
+            f"(the load-balancing permutation is built on the host per pack); capture with cp = 1 or run eagerly")
+    name = "cu_seqlens_q_padded" if "cu_seqlens_q_padded" in given else "cu_seqlens_q"
+    for other in given.values():
+        if other.device != device:
+            raise ValueError(f"gdn_compat THD: under CUDA-graph capture the offsets must live on {device} "
+                             f"(a static buffer, e.g. gdn_compat.graphs.PackBuffer), got a tensor on {other.device}")
+    layout = given[name].to(torch.int64)
+    checks = [layout[0] == 0, layout[-1] == total, (layout[1:] >= layout[:-1]).all()]
+    for a, b in (("cu_seqlens_q", "cu_seqlens_kv"), ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
+        if a in given and b in given and given[b] is not given[a]:
+            if given[a].shape != given[b].shape:
+                raise ValueError(f"gdn_compat THD: {a} has shape {tuple(given[a].shape)} and {b} "
+                                 f"{tuple(given[b].shape)}; GatedDeltaNet needs one set of sequence boundaries")
+            checks.append((given[a] == given[b]).all())
+    bounds = torch.cat([layout.clamp(0, total).cummax(0).values, layout.new_full((1,), total)])
+    real = bounds[1:-1]  # where each sequence's real tokens end: its slot's end, unless padded
+    if name == "cu_seqlens_q_padded" and "cu_seqlens_q" in given:
+        actual = given["cu_seqlens_q"].to(torch.int64)
+        if actual.shape != layout.shape:
+            raise ValueError(f"gdn_compat THD: cu_seqlens_q has shape {tuple(actual.shape)} but cu_seqlens_q_padded "
+                             f"{tuple(layout.shape)}; every sequence needs a padded slot")
+        lengths = actual[1:] - actual[:-1]
+        checks += [actual[0] == 0, (lengths >= 0).all(), (lengths <= layout[1:] - layout[:-1]).all()]
+        real = torch.minimum(bounds[:-2] + lengths.clamp(min=0), real)
+    ok = torch.stack(checks).all()
+    torch._assert_async(ok, f"gdn_compat THD: invalid offsets for a pack of {total} tokens: {name} must start at 0, "
+                            f"not decrease and end at {total}, and every real length must fit its slot")
+    cu = bounds.to(given[name].dtype)
+    rows = total // CHUNK + layout.numel()  # T // 64 + N + 1 rows hold the chunks of any layout (+ 1 spare)
+    return Pack(cu=cu, cu_cpu=None, spans=(), chunks=chunk_indices(cu, rows),
+                real_ends=torch.cat([real, bounds[-1:]]))
+
+
 def pack_for(psp: Any, total: int, device: torch.device, cp: int = 1) -> Pack:
-    """Validate ``packed_seq_params`` for a pack of ``total`` tokens; cached per pack (see PackCache)."""
+    """Validate ``packed_seq_params`` for a pack of ``total`` tokens: a host pack cached per pack (see
+    PackCache), or, while capturing a CUDA graph or for a PackBuffer's offsets, a device pack."""
     given = {name: t for name in FIELDS if (t := getattr(psp, name, None)) is not None}
     if "cu_seqlens_q" not in given and "cu_seqlens_q_padded" not in given:
         raise ValueError("gdn_compat THD: packed_seq_params has neither cu_seqlens_q_padded nor cu_seqlens_q")
     for name, t in given.items():
         _check_tensor(name, t, device)
+    if graph_safe(given):
+        return device_pack(given, total, device, cp)
     key = PACKS.key(given, total, device, cp)
     hit = PACKS.get(key)
     if hit is not None:
@@ -173,7 +259,8 @@ def pack_for(psp: Any, total: int, device: torch.device, cp: int = 1) -> Pack:
     # nothing dropped: hand the caller's own tensor to fla, as upstream does
     cu = source if len(offsets) == source.numel() and source.device == device else to_device(cu_cpu, device)
     perm, inverse = _cp_perm([b - a for a, b in zip(layout, layout[1:])], cp, device)
-    pack = Pack(cu=cu, cu_cpu=cu_cpu, spans=spans, ends=ends, perm=perm, inverse=inverse)
+    chunks = to_device(chunk_indices(cu_cpu, sum(-(-(b - a) // CHUNK) for a, b in spans)), device)
+    pack = Pack(cu=cu, cu_cpu=cu_cpu, spans=spans, ends=ends, chunks=chunks, perm=perm, inverse=inverse)
     PACKS.put(key, pack)
     return pack
 
@@ -185,5 +272,6 @@ def rows_pack(length: int, rows: int, cp: int, device: torch.device) -> Pack:
     cu_cpu = torch.tensor(offsets, dtype=torch.int32)
     perm, inverse = _cp_perm([length], cp, device)
     spans = tuple(zip(offsets, offsets[1:]))
-    return Pack(cu=to_device(cu_cpu, device), cu_cpu=cu_cpu, spans=spans, ends=tuple(offsets[1:]), perm=perm,
-                inverse=inverse)
+    chunks = to_device(chunk_indices(cu_cpu, rows * -(-length // CHUNK)), device)
+    return Pack(cu=to_device(cu_cpu, device), cu_cpu=cu_cpu, spans=spans, ends=tuple(offsets[1:]), chunks=chunks,
+                perm=perm, inverse=inverse)

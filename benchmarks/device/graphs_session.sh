@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# For this project's offline device machine (wheels carried in .whl/); users with a GPU follow the README.
+# #21's single-H200 plan: the CUDA-graph tests on every release, the GPU suite on the releases whose packed
+# path changed (chunk indices handed to fla), and benchmarks/bench_graphs.py. Resumable like h200_session.sh.
+#   DEADLINE=560 bash benchmarks/device/graphs_session.sh [STEP ...]   (default: every step)
+set -u
+T0=$(date +%s); DEADLINE=${DEADLINE:-560}
+root=$(pwd); LOGS=/tmp/logs; mkdir -p /tmp/xver
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
+if [ ! -d /tmp/triton-cache ] && ls .tcache/tcache.tar.xz.* >/dev/null 2>&1; then
+  cat .tcache/tcache.tar.xz.* | tar -C /tmp -xJf - && echo "[plan] Triton/inductor cache restored: $(du -sh /tmp/triton-cache | cut -f1)"
+fi
+WANT=" ${*:-all} "
+source benchmarks/device/lib.sh
+lane1() {
+  step graph-0.17.1 150 $(PP 0.17.1) $PT tests/gpu/test_cuda_graph_gpu.py
+  step gpu-0.17.1 150 $(PP 0.17.1) GDN_XVER_DIR=/tmp/xver $PT tests/gpu --deselect tests/gpu/test_cuda_graph_gpu.py
+  step graph-0.16.1 100 $(PP 0.16.1) $PT tests/gpu/test_cuda_graph_gpu.py
+}
+lane2() {
+  step graph-0.19.2 150 $(PP 0.19.2) $PT tests/gpu/test_cuda_graph_gpu.py
+  step graph-0.18.2 100 $(PP 0.18.2) $PT tests/gpu/test_cuda_graph_gpu.py
+}
+lane1 & lane2 & wait
+step gpu-0.19.2 120 $(PP 0.19.2) GDN_XVER_DIR=/tmp/xver $PT tests/gpu --deselect tests/gpu/test_cuda_graph_gpu.py
+for v in 0.17.1 0.19.2; do  # benchmarks: the GPU to themselves
+  step bench-$v 90 $(PP $v) python3 -m benchmarks.bench_graphs --json $LOGS/graphs-$v.json
+done
+step bench-gs-0.19.2 90 $(PP 0.19.2) python3 -m benchmarks.bench_graphs --graph-safe --json $LOGS/graphs-gs-0.19.2.json
+echo; (cd $LOGS && grep -H "passed\|failed\|Error\|^\[\|^  \|bitwise\|^megatron-core\|^what\|^rl\|^16k" *.log \
+  | grep -v "warnings.warn\|^\S*:\s*$" | cut -c1-400 | head -150)
+echo "[plan] finished at +$(( $(date +%s) - T0 ))s:"; for f in /tmp/done/*; do echo "  $(basename $f) rc=$(cat $f)"; done
+if [ -n "${OUT:-}" ]; then
+  for f in $LOGS/*.log; do echo "===== $(basename $f)"; cat $f; done > $OUT/all-logs.txt
+  tar -C $LOGS -cf $OUT/json.tar $(cd $LOGS && ls *.json 2>/dev/null) 2>/dev/null
+  if [ "${SAVE_CACHE:-1}" = 1 ]; then  # for the next fresh machine: at most 4 parts of 15 MiB
+    tar -C /tmp -cf - triton-cache inductor-cache 2>/dev/null | xz -T0 -2 | split -b 15M -a 1 - $OUT/tcache.tar.xz.
+    n=$(ls $OUT/tcache.tar.xz.* | wc -l); [ "$n" -le 4 ] || { echo "[plan] cache too big ($n parts): not kept"; rm -f $OUT/tcache.tar.xz.*; }
+  fi
+fi
+true

@@ -1,0 +1,69 @@
+"""gdn_thd_graph_safe (opt-in): packed GDN on megatron-core 0.18.x/0.19.x through gdn_compat's graph-safe path.
+
+Their native THD ``GatedDeltaNet.forward`` reads the offsets on the host in every call
+(``_resolve_cu_seqlens``, and fla's ``prepare_chunk_indices`` ``.tolist()``) and sizes kernels by the
+number of chunks, so a packed GDN step cannot be captured in a CUDA graph (upstream #6796, open).
+With this switch on, every packed (``qkv_format='thd'``) call that has no inference context runs
+gdn_thd's packed path instead: the same projections, fla kernels, gated norm and context-parallel
+all-to-alls as the release, with the pack's chunk indices handed to fla, so that under capture (or
+for a ``gdn_compat.graphs.PackBuffer``) nothing is read on the host and one capture replays any
+layout (``gdn_thd/pack.py``). Eager results are bitwise native's where the kernels coincide (README).
+Off by default: ``apply(gdn_thd_graph_safe=True)`` or ``GDN_COMPAT_ENABLE=gdn_thd_graph_safe``.
+Unpacked calls and inference are the release's own forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+from gdn_compat._probe import GDN_MODULE, Facts, Layout, Thd
+from gdn_compat._registry import Patch, Target
+from gdn_compat.patches.gdn_thd import context_parallel as cpx
+from gdn_compat.patches.gdn_thd import pack_of, packed_forward
+from gdn_compat.patches.gdn_thd.kernels import Core
+
+
+def decide(facts: Facts) -> str | None:
+    mc = facts.release
+    if facts.gdn in (Layout.ABSENT, Layout.UNKNOWN):
+        return f"{mc} has no GatedDeltaNet" if facts.gdn is Layout.ABSENT else "GatedDeltaNet not readable"
+    if facts.gdn_thd is Thd.REFUSES:
+        return f"{mc} GatedDeltaNet has no native THD; gdn_thd's packed path is graph-safe there"
+    if facts.gdn_thd is not Thd.NATIVE or not facts.gdn_native_shape:
+        return (f"not patched, unknown GatedDeltaNet shape: {facts.notes.get('gdn_thd', facts.gdn_thd)}; gdn_compat "
+                f"routes only the 0.18/0.19 forward signature and helpers")
+    if not facts.fla_varlen.graph_safe:
+        return (f"not patched: {facts.fla or 'fla'} takes no chunk indices (chunk_gated_delta_rule "
+                f"{facts.fla_varlen.rule_chunks}, its forward/backward {facts.fla_varlen.rule_inner}, causal_conv1d "
+                f"{facts.fla_varlen.conv_chunks}); install fla-core>=0.4.2")
+    return None
+
+
+def build(facts: Facts, original: Any) -> Any:
+    core = Core(sys.modules[original.__module__], facts.fla_varlen, facts.fla_atomic_free)
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
+                sequence_len_offset=None, *, inference_params=None, **kwargs):
+        packed = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
+        if not packed or inference_context is not None or inference_params is not None:
+            return original(self, hidden_states, attention_mask, inference_context, packed_seq_params,
+                            sequence_len_offset, inference_params=inference_params, **kwargs)
+        cp = cpx.size_of(self)
+        return packed_forward(self, core, hidden_states, pack_of(self, hidden_states, packed_seq_params, cp), cp)
+
+    return forward
+
+
+PATCH = Patch(
+    name="gdn_thd_graph_safe",
+    target=Target(GDN_MODULE, "GatedDeltaNet", "forward"),
+    decide=decide,
+    build=build,
+    summary="GatedDeltaNet.forward runs packed sequences (THD) through gdn_compat's graph-safe packed path (no host "
+            "read of the offsets, CUDA-graph capture that survives a new pack, upstream #6796); unpacked calls "
+            "and inference are the release's",
+    opt_in=True,
+)
