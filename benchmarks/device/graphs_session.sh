@@ -23,11 +23,11 @@ lane2() {
   step graph-0.18.2 100 $(PP 0.18.2) $PT tests/gpu/test_cuda_graph_gpu.py
 }
 lane1 & lane2 & wait
-step gpu-0.19.2 120 $(PP 0.19.2) GDN_XVER_DIR=/tmp/xver $PT tests/gpu --deselect tests/gpu/test_cuda_graph_gpu.py
 for v in 0.17.1 0.19.2; do  # benchmarks: the GPU to themselves
   step bench-$v 90 $(PP $v) python3 -m benchmarks.bench_graphs --json $LOGS/graphs-$v.json
 done
 step bench-gs-0.19.2 90 $(PP 0.19.2) python3 -m benchmarks.bench_graphs --graph-safe --json $LOGS/graphs-gs-0.19.2.json
+step gpu-0.19.2 120 $(PP 0.19.2) GDN_XVER_DIR=/tmp/xver $PT tests/gpu --deselect tests/gpu/test_cuda_graph_gpu.py
 echo; (cd $LOGS && grep -H "passed\|failed\|Error\|^\[\|^  \|bitwise\|^megatron-core\|^what\|^rl\|^16k" *.log \
   | grep -v "warnings.warn\|^\S*:\s*$" | cut -c1-400 | head -150)
 echo "[plan] finished at +$(( $(date +%s) - T0 ))s:"; for f in /tmp/done/*; do echo "  $(basename $f) rc=$(cat $f)"; done

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-COLUMNS = ("gdn_thd", "gdn_thd_deterministic", "config_gdn_cp", "gdn_cp_comm_type", "gdn_out_norm_tp_grad",
+COLUMNS = ("gdn_thd", "gdn_thd_deterministic", "gdn_thd_graph_safe", "config_gdn_cp", "gdn_cp_comm_type", "gdn_out_norm_tp_grad",
            "mtp_packed_recompute", "mtp_packed_roll", "mtp_padding_mask")
 HEADER = ("| megatron-core | GatedDeltaNet | THD in GDN | CP in GDN | MTP `_checkpointed_forward` | "
           + " | ".join(f"`{c}`" for c in COLUMNS) + " |\n|" + "---|" * (5 + len(COLUMNS)))
@@ -18,8 +18,13 @@ START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
 
 def row(doctor: dict[str, Any]) -> str:
     f = doctor["facts"]
-    status = {p["name"]: p["status"] for p in doctor["patches"]}
-    cells = ["**applied**" if status.get(c) == "would_apply" else "skipped" for c in COLUMNS]
+    status = {p["name"]: (p["status"], p["reason"]) for p in doctor["patches"]}
+
+    def cell(name: str) -> str:
+        state, reason = status.get(name, ("skipped", ""))
+        return "**applied**" if state == "would_apply" else "opt-in" if "opt-in, off by default" in reason else "skipped"
+
+    cells = [cell(c) for c in COLUMNS]
     cp = f["gdn_cp"] + (" (config refuses)" if f["config_refuses_gdn_cp"] else "")
     version = (f["megatron"] or {}).get("version", "none")
     return f"| {version} | {f['gdn']} | {f['gdn_thd']} | {cp} | {f['mtp']} | " + " | ".join(cells) + " |"
