@@ -55,9 +55,18 @@ def test_patched_pack_equals_the_release_on_each_sequence_alone(layer, megatron_
         out, dx, grads = packed_run(layer, x, _pack(), dy)
     assert rel(out[real], torch.cat([s[0] for s in singles])) < 1e-5
     assert rel(dx[real], torch.cat([s[1] for s in singles])) < 1e-5
-    for name, grad in grads.items():  # the gate grads cancel heavily: see test_acceptance.GATE_BOUND
-        bound = 1e-4 if name in ("A_log", "dt_bias") else 1e-5
-        assert rel(grad, sum(s[2][name] for s in singles)) < bound, name
+    for name, grad in grads.items():
+        want = sum(s[2][name] for s in singles)
+        if name in ("A_log", "dt_bias"):
+            # the gate grads are sums of per-sequence terms that cancel (here one entry of A_log's
+            # falls to ~7e-5 from terms ~1e-3), so fp32 rounding is judged against the terms' size, not
+            # the cancelled total: measured 2.0e-4 relative to the total on one CPU, 1e-6 to the terms
+            scale = sum(s[2][name].float().norm() for s in singles)
+            err = (grad.float() - want.float()).norm() / scale
+            print(f"[{name}] error {err:.1e} of the per-sequence terms (rel to the total {rel(grad, want):.1e})")
+            assert err < 1e-5, name
+        else:
+            assert rel(grad, want) < 1e-5, name
     params = {n: p.detach() for n, p in layer.named_parameters()}
     spans = [(s, s + n) for s, n in zip(offsets(SLOTS), LENGTHS)]
     want = reference_gdn(params, CFG, x[:, 0], spans)  # float64, token by token
