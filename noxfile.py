@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import nox
 
@@ -47,6 +48,8 @@ def _python312() -> str:
 
 
 PYTHON = _python312()
+# Records of which heavy suites ran on which megatron-core files, for this nox run only (tests/support/suite_records.py)
+RECORDS = tempfile.mkdtemp(prefix="gdn-compat-suites-")
 
 nox.options.sessions = ["tests", "lint", "wheel"]
 nox.options.default_venv_backend = "uv"
@@ -59,7 +62,7 @@ def tests(session: nox.Session, megatron_core: str) -> None:
     session.install(*TEST_DEPS, f"megatron-core=={megatron_core}")
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
-                "-W", "ignore::DeprecationWarning", *session.posargs, env=CPU_ENV)
+                "-W", "ignore::DeprecationWarning", *session.posargs, env={**CPU_ENV, "GDN_COMPAT_SUITE_RECORDS": RECORDS})
 
 
 @nox.session(python=PYTHON)

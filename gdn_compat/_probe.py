@@ -159,6 +159,7 @@ class Facts:
     gdn_cp: Cp = Cp.ABSENT
     gdn_conv: Conv = Conv.ABSENT  # the unpacked conv of this release's GDN
     gdn_init_cp_comm_type: Accepts = Accepts.ABSENT  # GatedDeltaNet.__init__(cp_comm_type=)
+    gdn_backward_dw: Accepts = Accepts.ABSENT  # GatedDeltaNet.backward_dw (MoE EP overlap calls it; 0.17.0+)
     gdn_thd_deterministic: Accepts = Accepts.ABSENT  # native THD forward runs in deterministic_mode (NO: asserts)
     config_refuses_gdn_cp: bool = False  # TransformerConfig asserts cp == 1 for gated_delta_net
     gdn_out_norm_tp_sum: Accepts = Accepts.ABSENT  # finalize_model_grads sums GDN out_norm grads over tp
@@ -233,6 +234,7 @@ def _probe_gdn(out: dict[str, Any]) -> None:
     out["gdn"] = Layout.PACKAGE if str(getattr(mod, "__file__", "")).endswith("__init__.py") else Layout.MODULE
     out["gdn_file"] = getattr(defining, "__file__", None)
     out["gdn_init_cp_comm_type"] = accepts(cls.__init__, "cp_comm_type")
+    out["gdn_backward_dw"] = Accepts.YES if callable(getattr(cls, "backward_dw", None)) else Accepts.NO
     try:
         params = tuple(inspect.signature(cls.forward).parameters)
         src, cls_src = inspect.getsource(cls.forward), inspect.getsource(cls)
@@ -529,7 +531,7 @@ def probe(*, init_cuda: bool = False) -> Facts:
 
 def _facts(out: dict[str, Any]) -> Facts:
     enums = {"gdn": Layout, "gdn_thd": Thd, "gdn_cp": Cp, "gdn_conv": Conv, "mtp": Mtp, "mtp_roll": Roll,
-             "gdn_init_cp_comm_type": Accepts, "gdn_out_norm_tp_sum": Accepts, "gdn_thd_deterministic": Accepts,
+             "gdn_init_cp_comm_type": Accepts, "gdn_backward_dw": Accepts, "gdn_out_norm_tp_sum": Accepts, "gdn_thd_deterministic": Accepts,
              "fla_atomic_free": Accepts}
     for field, kind in enums.items():
         if field in out:

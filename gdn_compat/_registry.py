@@ -69,6 +69,7 @@ class Patch:
     summary: str
     requires: tuple[str, ...] = ()
     opt_in: bool = False
+    adds: bool = False  # the target is a method the release lacks: added, and deleted again on revert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +204,11 @@ class Registry:
         except Exception as exc:  # noqa: BLE001 - a missing symbol is a skip, never a crash
             return record("skipped", patch.decide(facts)
                           or f"not patched: cannot resolve {patch.target}: {type(exc).__name__}: {exc}")
+        if patch.adds:  # a method the release lacks: added only where it is still absent
+            if hasattr(owner, patch.target.attr):
+                return record("skipped", patch.decide(facts) or f"not patched: {patch.target} already exists")
+            reason = patch.decide(facts)
+            return record("skipped", reason) if reason else record("would_apply", patch.summary)
         if not hasattr(owner, patch.target.attr):  # nothing to replace: the release's own reason, no force offer
             return record("skipped", patch.decide(facts) or f"not patched: {patch.target} does not exist")
         # Our own replacement (another patch of this registry on the same target) is judged by the

@@ -37,7 +37,8 @@ from tests.support import model as M
 from tests.support.gdn import use_torch_l2norm
 from tests.support.release import FACTS, MEGATRON, skip_reason
 
-pytestmark = pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release} has no GatedDeltaNet")
+pytestmark = [pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release} has no GatedDeltaNet"),
+              pytest.mark.heavy]
 
 BOUND = 1e-5
 # GDN's gate parameters: their gradient is a sum over every token and head with heavy cancellation

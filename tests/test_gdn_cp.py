@@ -87,6 +87,7 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
         dist.barrier()
 
 
+@pytest.mark.heavy
 def test_context_parallel_2_and_4_ranks_equal_cp1_bshd_and_thd(megatron_cpu, monkeypatch):
     import megatron.core.ssm.gated_delta_net as release
     import torch.multiprocessing as mp

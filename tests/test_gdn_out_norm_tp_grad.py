@@ -21,8 +21,9 @@ from tests.support import model as M
 from tests.support.gdn import use_torch_l2norm
 from tests.support.release import FACTS, skip_reason
 
-pytestmark = pytest.mark.skipif(skip_reason("gdn_out_norm_tp_grad") is not None,
-                                reason=str(skip_reason("gdn_out_norm_tp_grad")))
+pytestmark = [pytest.mark.skipif(skip_reason("gdn_out_norm_tp_grad") is not None,
+                                 reason=str(skip_reason("gdn_out_norm_tp_grad"))),
+              pytest.mark.heavy]
 SEQ, STEPS, LR = 16, 3, 0.5
 OUT_NORM = "self_attention.out_norm.weight"
 

@@ -173,6 +173,7 @@ def _cells(findings, cp: int, pack: str) -> list[dict]:
     return [f[f"cp{cp}"][pack] for f in findings if f"cp{cp}" in f]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("cp", [2, 4])
 def test_patched_roll_under_context_parallelism_matches_the_whole_pack_reference(cp_findings, cp):
     for rank, cell in enumerate(_cells(cp_findings, cp, "padded")):
@@ -180,6 +181,7 @@ def test_patched_roll_under_context_parallelism_matches_the_whole_pack_reference
         assert cell["sum"][0] == cell["sum"][1], f"cp{cp} rank {rank}: local MTP target count {cell['sum']}"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("cp", [2, 4])
 def test_unpadded_pack_under_context_parallelism_equals_the_release(cp_findings, cp):
     for rank, cell in enumerate(_cells(cp_findings, cp, "unpadded")):

@@ -19,7 +19,7 @@ GDN_16 = dict(gdn="module", gdn_thd="refuses", gdn_cp="none", config=True, comm=
 GENERATION = {
     "0.15": dict(gdn="absent", gdn_thd="absent", gdn_cp="absent", config=False, comm=Accepts.ABSENT, mtp="generic",
                  roll="absent", needs={"mtp_packed_recompute"}),
-    "0.16": GDN_16,
+    "0.16": dict(GDN_16, backward_dw=Accepts.NO, needs=GDN_16["needs"] | {"gdn_backward_dw"}),
     "0.17": GDN_16,
     "0.18": dict(gdn="module", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.NO,
                  mtp="no_padding_mask", roll="by cu_seqlens_q",
@@ -52,6 +52,11 @@ def test_gdn_context_parallel_in_the_layer_and_in_the_config():
     assert FACTS.gdn_cp == expected["gdn_cp"]
     assert FACTS.config_refuses_gdn_cp is expected["config"]
     assert FACTS.gdn_init_cp_comm_type is expected["comm"]
+
+
+def test_gdn_backward_dw_is_missing_only_before_0_17():
+    want = Accepts.ABSENT if expected["gdn"] == "absent" else expected.get("backward_dw", Accepts.YES)
+    assert FACTS.gdn_backward_dw is want
 
 
 def test_tp_reduction_of_gdn_out_norm_is_missing_wherever_gdn_exists():

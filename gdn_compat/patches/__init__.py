@@ -6,6 +6,7 @@ A patch is one module (``mtp_padding_mask.py``) or, when large, one package (``g
 
 from gdn_compat.patches import (
     config_gdn_cp,
+    gdn_backward_dw,
     gdn_cp_comm_type,
     gdn_out_norm_tp_grad,
     gdn_thd,
@@ -16,5 +17,6 @@ from gdn_compat.patches import (
     mtp_padding_mask,
 )
 
-PATCHES = (gdn_thd.PATCH, gdn_thd_deterministic.PATCH, gdn_thd_graph_safe.PATCH, config_gdn_cp.PATCH, gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH,
-           mtp_packed_recompute.PATCH, mtp_packed_roll.PATCH, mtp_padding_mask.PATCH)
+PATCHES = (gdn_thd.PATCH, gdn_thd_deterministic.PATCH, gdn_thd_graph_safe.PATCH, config_gdn_cp.PATCH,
+           gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH, gdn_backward_dw.PATCH, mtp_packed_recompute.PATCH,
+           mtp_packed_roll.PATCH, mtp_padding_mask.PATCH)

@@ -66,7 +66,10 @@ def world(rank: int = 0, size: int = 1, *, tp: int = 1, cp: int = 1, port: int |
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from tests.support import suite_records
+
     with contextlib.ExitStack() as stack:
+        stack.callback(suite_records.log_imports)  # every rank's imports count for the heavy-suite records
         if cuda:
             torch.cuda.set_device(rank)
         else:
