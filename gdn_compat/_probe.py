@@ -156,6 +156,7 @@ class Facts:
     gdn_thd: Thd = Thd.ABSENT
     gdn_legacy_shape: bool = False  # the exact 0.16/0.17 forward and helpers gdn_thd relies on
     gdn_native_shape: bool = False  # the exact 0.18/0.19 native-THD forward and helpers gdn_compat's routes wrap
+    gdn_cp_per_sequence: bool = False  # native packed CP runs one all-to-all per sequence (0.18; 0.19 fused, #4913)
     gdn_cp: Cp = Cp.ABSENT
     gdn_conv: Conv = Conv.ABSENT  # the unpacked conv of this release's GDN
     gdn_init_cp_comm_type: Accepts = Accepts.ABSENT  # GatedDeltaNet.__init__(cp_comm_type=)
@@ -276,6 +277,9 @@ def _probe_deterministic_thd(out: dict[str, Any], cls: Any, defining: Any, param
         return
     out["gdn_native_shape"] = bool(params == GDN_NATIVE_PARAMS and callable(getattr(cls, "_apply_gated_norm", None))
                                    and callable(getattr(defining, "torch_chunk_gated_delta_rule", None)))
+    # 0.18: unpacks the pack with the module's _unpack_sequence and runs an all-to-all per sequence
+    out["gdn_cp_per_sequence"] = bool(callable(getattr(defining, "_unpack_sequence", None))
+                                      and re.search(r"_unpack_sequence\([^)]*cp_size", src) is not None)
     if DETERMINISTIC_THD_REFUSAL not in src:
         out["gdn_thd_deterministic"] = Accepts.UNKNOWN
         out["notes"]["gdn_thd_deterministic"] = "GatedDeltaNet.forward no longer carries the deterministic THD assertion"

@@ -213,7 +213,9 @@ class Registry:
             return record("skipped", patch.decide(facts) or f"not patched: {patch.target} does not exist")
         # Our own replacement (another patch of this registry on the same target) is judged by the
         # release object underneath it; someone else's object first: the facts describe it, not the release.
-        current = next((old for _, _, old, new in self.undo if new is current), current)
+        ours = {id(new): old for _, _, old, new in self.undo}
+        while id(current) in ours:  # several of our patches may stack on one target
+            current = ours[id(current)]
         other = foreign(owner, patch.target.attr, current)
         if other and patch.name not in force:
             return record("skipped", f"not patched: {other}; apply(force=[{patch.name!r}]) replaces it anyway")

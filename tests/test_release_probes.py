@@ -24,7 +24,7 @@ GENERATION = {
     "0.18": dict(gdn="module", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.NO,
                  mtp="no_padding_mask", roll="by cu_seqlens_q",
                  needs={"gdn_cp_comm_type", "gdn_out_norm_tp_grad", "mtp_padding_mask", "mtp_packed_roll",
-                        "gdn_thd_deterministic"}),
+                        "gdn_thd_deterministic", "gdn_thd_cp_fused"}, cp_per_sequence=True),
     "0.19": dict(gdn="package", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.YES,
                  mtp="has_padding_mask", roll="by cu_seqlens_q",
                  needs={"gdn_out_norm_tp_grad", "mtp_packed_roll", "gdn_thd_deterministic"}),
@@ -52,6 +52,10 @@ def test_gdn_context_parallel_in_the_layer_and_in_the_config():
     assert FACTS.gdn_cp == expected["gdn_cp"]
     assert FACTS.config_refuses_gdn_cp is expected["config"]
     assert FACTS.gdn_init_cp_comm_type is expected["comm"]
+
+
+def test_native_packed_cp_runs_per_sequence_only_on_0_18():
+    assert FACTS.gdn_cp_per_sequence is expected.get("cp_per_sequence", False)
 
 
 def test_gdn_backward_dw_is_missing_only_before_0_17():

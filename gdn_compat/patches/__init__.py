@@ -10,6 +10,7 @@ from gdn_compat.patches import (
     gdn_cp_comm_type,
     gdn_out_norm_tp_grad,
     gdn_thd,
+    gdn_thd_cp_fused,
     gdn_thd_deterministic,
     gdn_thd_graph_safe,
     mtp_packed_recompute,
@@ -17,6 +18,6 @@ from gdn_compat.patches import (
     mtp_padding_mask,
 )
 
-PATCHES = (gdn_thd.PATCH, gdn_thd_deterministic.PATCH, gdn_thd_graph_safe.PATCH, config_gdn_cp.PATCH,
+PATCHES = (gdn_thd.PATCH, gdn_thd_deterministic.PATCH, gdn_thd_graph_safe.PATCH, gdn_thd_cp_fused.PATCH, config_gdn_cp.PATCH,
            gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH, gdn_backward_dw.PATCH, mtp_packed_recompute.PATCH,
            mtp_packed_roll.PATCH, mtp_padding_mask.PATCH)

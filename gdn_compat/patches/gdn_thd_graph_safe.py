@@ -14,15 +14,11 @@ Unpacked calls and inference are the release's own forward.
 
 from __future__ import annotations
 
-import functools
-import sys
 from typing import Any
 
 from gdn_compat._probe import GDN_MODULE, Facts, Layout, Thd
 from gdn_compat._registry import Patch, Target
-from gdn_compat.patches.gdn_thd import context_parallel as cpx
-from gdn_compat.patches.gdn_thd import pack_of, packed_forward
-from gdn_compat.patches.gdn_thd.kernels import Core
+from gdn_compat.patches.gdn_thd import route
 
 
 def decide(facts: Facts) -> str | None:
@@ -42,19 +38,7 @@ def decide(facts: Facts) -> str | None:
 
 
 def build(facts: Facts, original: Any) -> Any:
-    core = Core(sys.modules[original.__module__], facts.fla_varlen, facts.fla_atomic_free)
-
-    @functools.wraps(original)
-    def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
-                sequence_len_offset=None, *, inference_params=None, **kwargs):
-        packed = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
-        if not packed or inference_context is not None or inference_params is not None:
-            return original(self, hidden_states, attention_mask, inference_context, packed_seq_params,
-                            sequence_len_offset, inference_params=inference_params, **kwargs)
-        cp = cpx.size_of(self)
-        return packed_forward(self, core, hidden_states, pack_of(self, hidden_states, packed_seq_params, cp), cp)
-
-    return forward
+    return route(facts, original, lambda layer: True)
 
 
 PATCH = Patch(

@@ -154,3 +154,42 @@ def use_torch_l2norm(monkeypatch) -> None:
     for name, mod in list(sys.modules.items()):
         if name.startswith("megatron.core.ssm.gated_delta_net") and hasattr(mod, "l2norm"):
             monkeypatch.setattr(mod, "l2norm", l2norm_ref)
+
+
+def fla_on_cpu(setattr_=setattr) -> None:
+    """fla's varlen ``causal_conv1d`` and ``chunk_gated_delta_rule`` (and its ``l2norm``) in plain torch,
+    one sequence at a time, put into this release's GDN modules: the release's own native THD path (and
+    its context parallelism) then runs on the CPU. ``setattr_`` is ``monkeypatch.setattr`` in a test
+    process, the builtin in a throwaway rank process."""
+    import sys
+
+    import torch.nn.functional as F
+
+    modules = [m for n, m in list(sys.modules.items())
+               if n.startswith("megatron.core.ssm.gated_delta_net") and hasattr(m, "chunk_gated_delta_rule")]
+    rule = next(m.torch_chunk_gated_delta_rule for n, m in sys.modules.items()
+                if n.startswith("megatron.core.ssm.gated_delta_net") and hasattr(m, "torch_chunk_gated_delta_rule"))
+
+    def bounds(cu, total):
+        cu = [0, total] if cu is None else cu.tolist()
+        return [(a, b) for a, b in zip(cu, cu[1:]) if b > a]
+
+    def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None, **_):
+        width, outs = weight.shape[-1], []
+        for a, b in bounds(cu_seqlens, x.shape[1]):
+            seg = F.conv1d(x[:, a:b].transpose(1, 2), weight[:, None], bias, padding=width - 1,
+                           groups=weight.shape[0])[..., :b - a]
+            outs.append((F.silu(seg) if activation in ("silu", "swish") else seg).transpose(1, 2))
+        return torch.cat(outs, 1), None
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_):
+        outs = [rule(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=None,
+                     output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
+                for a, b in bounds(cu_seqlens, q.shape[1])]
+        return torch.cat(outs, 1), None
+
+    for m in modules:
+        setattr_(m, "causal_conv1d", causal_conv1d)
+        setattr_(m, "chunk_gated_delta_rule", chunk_gated_delta_rule)
+        setattr_(m, "l2norm", l2norm_ref)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from gdn_compat.patches.gdn_thd import context_parallel as cpx
 from gdn_compat.patches.gdn_thd.kernels import Core, local_view
 from gdn_compat.patches.gdn_thd.pack import PACKS, Pack, pack_for, rows_pack
 
-__all__ = ["PACKS", "PATCH", "pack_of", "packed_forward"]
+__all__ = ["PACKS", "PATCH", "pack_of", "packed_forward", "route"]
 
 
 def decide(facts: Facts) -> str | None:
@@ -98,6 +99,25 @@ def pack_of(layer: Any, hidden_states: torch.Tensor, psp: Any, cp: int) -> Pack:
         raise ValueError(f"gdn_compat: with context parallel size {cp} the sequence length must be divisible "
                          f"by 2 x cp = {2 * cp}; got {total} ({local} local tokens)")
     return rows_pack(total, batch, cp, hidden_states.device)
+
+
+def route(facts: Facts, original: Any, takes: Callable[[Any], bool]) -> Any:
+    """A replacement for a 0.18/0.19 native-THD ``GatedDeltaNet.forward`` that runs this packed path for
+    the packed calls (``qkv_format='thd'``, no inference context) of layers ``takes(layer)`` selects, and
+    the release's ``original`` for every other call. The one wrapper behind gdn_compat's native routes."""
+    core = Core(sys.modules[original.__module__], facts.fla_varlen, facts.fla_atomic_free)
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
+                sequence_len_offset=None, *, inference_params=None, **kwargs):
+        packed = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
+        if packed and inference_context is None and inference_params is None and takes(self):
+            cp = cpx.size_of(self)
+            return packed_forward(self, core, hidden_states, pack_of(self, hidden_states, packed_seq_params, cp), cp)
+        return original(self, hidden_states, attention_mask, inference_context, packed_seq_params,
+                        sequence_len_offset, inference_params=inference_params, **kwargs)
+
+    return forward
 
 
 def build(facts: Facts, original: Any) -> Any:
