@@ -145,12 +145,14 @@ class Facts:
     torch: str | None = None
     triton: str | None = None
     tilelang: str | None = None  # fla >= 0.5 can use it instead of the miscompiled Triton kernel
+    rocm: str | None = None  # torch's HIP version on a ROCm build
     gpu: Gpu | None = None  # None: no GPU, or not inspected (see notes["gpu"])
     megatron: Dist | None = None
     fla: Dist | None = None
     fla_error: str | None = None  # fla is installed but fails to import
     fla_varlen: Varlen = Varlen()
     fla_atomic_free: Accepts = Accepts.ABSENT  # YES: the fla code packed GDN runs has no atomics / scatter-adds
+    fla_blackwell_wy_guard: Accepts = Accepts.ABSENT  # prepare_wy_repr_bwd autotune restricted on Blackwell (fla PR #1000)
     gdn: Layout = Layout.ABSENT
     gdn_file: str | None = None
     gdn_thd: Thd = Thd.ABSENT
@@ -418,10 +420,24 @@ def _probe_fla(out: dict[str, Any]) -> None:
                                    rule_chunks=accepts(rule, "chunk_indices"), rule_inner=_inner_rule(),
                                    conv_chunks=accepts(conv, "chunk_indices"))
         out["fla_atomic_free"], out["notes"]["fla_atomic_free"] = atomic_free(rule, conv)
+        out["fla_blackwell_wy_guard"] = _blackwell_wy_guard()
         return
     unknown = Accepts.UNKNOWN
     out["fla_varlen"] = Varlen(unknown, unknown, unknown, unknown)
     out["notes"]["fla_varlen"] = f"fla failed to import ({out['fla_error']})"
+
+
+# fla PR #1000 (for fla issue #999): on Blackwell, prepare_wy_repr_bwd's autotune space is cut to one config,
+# because wider ones hang the backward at long sequences.
+_WY_GUARD = re.compile(r"PREPARE_WY_REPR_BWD_NUM_\w+\s*=.*IS_NVIDIA_BLACKWELL")
+
+
+def _blackwell_wy_guard() -> Accepts:
+    try:
+        source = inspect.getsource(importlib.import_module("fla.ops.gated_delta_rule.wy_fast"))
+    except Exception:  # noqa: BLE001 - unreadable: unknown
+        return Accepts.UNKNOWN
+    return Accepts.YES if _WY_GUARD.search(source) else Accepts.NO
 
 
 # What gdn_thd's _Rule passes to fla 0.4.x's own forward and backward, by keyword.
@@ -511,6 +527,7 @@ def probe(*, init_cuda: bool = False) -> Facts:
         out["notes"]["torch"] = f"torch failed to import ({_why(exc)})"
         return _facts(out)
     out["torch"] = torch.__version__
+    out["rocm"] = getattr(torch.version, "hip", None)
     _probe_gpu(out, torch, init_cuda)
     _probe_fla(out)
     out["megatron"] = _dist("megatron-core", "megatron_core")
@@ -536,7 +553,7 @@ def probe(*, init_cuda: bool = False) -> Facts:
 def _facts(out: dict[str, Any]) -> Facts:
     enums = {"gdn": Layout, "gdn_thd": Thd, "gdn_cp": Cp, "gdn_conv": Conv, "mtp": Mtp, "mtp_roll": Roll,
              "gdn_init_cp_comm_type": Accepts, "gdn_backward_dw": Accepts, "gdn_out_norm_tp_sum": Accepts, "gdn_thd_deterministic": Accepts,
-             "fla_atomic_free": Accepts}
+             "fla_atomic_free": Accepts, "fla_blackwell_wy_guard": Accepts}
     for field, kind in enums.items():
         if field in out:
             out[field] = kind(out[field])

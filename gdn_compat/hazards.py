@@ -17,6 +17,10 @@ from gdn_compat._probe import Accepts, Conv, Facts, Layout, Mtp, Thd
 Severity = Literal["error", "danger", "warning", "info"]
 FLA_640 = "https://github.com/fla-org/flash-linear-attention/issues/640"
 BAD_TRITON = (Version("3.4.0"), Version("3.7.1"))  # [low, high): miscompiles chunk_bwd_dqkwg on sm_90
+FLA = "https://github.com/fla-org/flash-linear-attention"
+# Blackwell (sm_100 B200, sm_103 B300): what the threads establish (read 2026-12-01)
+BLACKWELL_COMPILE = (Version("3.4.0"), Version("3.6.0"))  # fla #607, #612, #638: backward fails to compile
+VERIFIED_SM = 9  # gdn_compat's GPU suite runs on an H200 (sm_90)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +55,7 @@ def _has_gdn(facts: Facts) -> bool:
 
 def check(facts: Facts, key_head_dim: int | None = None) -> list[Finding]:
     """All findings for this stack; ``key_head_dim`` is the model's (smallest) GDN key head dim if known."""
-    return [*_fla_install(facts), *_fla_640(facts, key_head_dim), *_gdn_shapes(facts)]
+    return [*_fla_install(facts), *_fla_640(facts, key_head_dim), *_gpu_generation(facts), *_gdn_shapes(facts)]
 
 
 def _fla_install(facts: Facts) -> list[Finding]:
@@ -107,6 +111,57 @@ def _fla_640(facts: Facts, key_head_dim: int | None) -> list[Finding]:
             + ("" if affected else " This model is not affected."),
             FLA_640, "upgrade Triton to >= 3.7.1 (then fla-core >= 0.5), or keep key head dims at 128")]
     return []
+
+
+def _gpu_generation(facts: Facts) -> list[Finding]:
+    """Known GDN failures by GPU generation; a generation without a rule is said to be unverified."""
+    if not _has_gdn(facts) or facts.gpu is None:
+        return []
+    gpu, major = facts.gpu, facts.gpu.capability[0]
+    if facts.rocm:
+        return [Finding(
+            "warning", "rocm-gdn",
+            f"{gpu} (ROCm {facts.rocm}): gdn_compat's kernels are not verified on ROCm. AMD Primus reports NaN "
+            f"gradients in megatron-core's GDN backward on ROCm (Qwen3.5-35B-A3B) and works around them by "
+            f"computing the gate in fp32 outside fla's kernel (use_gate_in_kernel=False).",
+            "https://github.com/AMD-AGI/Primus/pull/937", "check the first backward for NaN gradients")]
+    if major == VERIFIED_SM:
+        return []
+    if major != 10:
+        return [Finding(
+            "info", "gpu-not-verified",
+            f"{gpu}: no known GDN kernel rule for this GPU generation, and gdn_compat's GPU suite runs on sm_90 "
+            f"(H200) only: not verified on this GPU.")]
+    out = [Finding(
+        "info", "gpu-not-verified",
+        f"{gpu} (Blackwell): gdn_compat's GPU suite runs on sm_90 (H200) only; the rules below come from fla's "
+        f"and ms-swift's issue threads (ms-swift #8366 and #8435 report NaN grad norms training Qwen3.5 with "
+        f"megatron-core 0.16.1).")]
+    fla_v, triton_v = _version(facts.fla.version if facts.fla else None), _version(facts.triton)
+    triton_base = Version(triton_v.base_version) if triton_v else None
+    if triton_base is not None and BLACKWELL_COMPILE[0] <= triton_base < BLACKWELL_COMPILE[1]:
+        out.append(Finding(
+            "error", "fla-blackwell-compile",
+            f"{gpu} with Triton {facts.triton}: fla's gated delta rule backward fails to compile on Blackwell "
+            f"(\"Failed to hoist tmem_store\", \"operand #2 does not dominate this use\"; closed upstream as a "
+            f"Triton bug), so the first GDN backward raises.",
+            f"{FLA}/issues/607, {FLA}/issues/638", "use the Triton that your torch >= 2.12 ships (3.7)"))
+    if fla_v is not None and fla_v >= Version("0.5.0") and triton_base is not None \
+            and Version("3.7.0") <= triton_base < Version("3.8.0"):
+        out.append(Finding(
+            "danger", "fla-blackwell-nan",
+            f"{gpu} with {facts.fla} and Triton {facts.triton}: fla #913 reports chunk_gated_delta_rule's backward "
+            f"returning NaN gradients without an error on B200 / B300 (fla-core 0.5.0, Triton 3.7.0, torch 2.12; "
+            f"also \"misaligned address\" crashes); the issue was closed as stale with no fix confirmed.",
+            f"{FLA}/issues/913", "check the first steps' gradients for NaN before a long run"))
+    if facts.fla_blackwell_wy_guard is Accepts.NO:
+        out.append(Finding(
+            "warning", "fla-blackwell-hang",
+            f"{gpu} with {facts.fla}: GDN backward can hang at long sequences in prepare_wy_repr_bwd's autotune on "
+            f"Blackwell (fla #999; in distributed runs it shows up later as an NCCL watchdog timeout); this fla lacks "
+            f"the fix, fla PR #1000, which limits that autotune to one config on Blackwell.",
+            f"{FLA}/issues/999", "install an fla-core that has PR #1000 (fla-core 0.6.0 does)"))
+    return out
 
 
 def _gdn_shapes(facts: Facts) -> list[Finding]:

@@ -84,3 +84,57 @@ def test_unknown_shapes_are_warnings():
 def test_findings_carry_source_and_fix():
     [f] = [x for x in check(facts(fla="0.6.0")) if x.code == "fla-640-crash"]
     assert "issues/640" in f.source and "3.7.1" in f.fix
+
+
+# -- GPU generations (#22 item 1): Blackwell from fla's threads, ROCm, and "not verified" elsewhere ------------
+
+BLACKWELL = dict(gpu=Gpu("NVIDIA B200", (10, 0)))
+
+
+@pytest.mark.parametrize("triton,bad", [("3.3.1", False), ("3.4.0", True), ("3.5.1", True), ("3.6.0", False)])
+def test_blackwell_backward_compile_failures_by_triton(triton, bad):
+    assert (codes(facts(triton=triton, gpu=BLACKWELL)).get("fla-blackwell-compile") == "error") == bad
+
+
+@pytest.mark.parametrize("fla,triton,bad", [("0.5.0", "3.7.0", True), ("0.6.0", "3.7.1", True), ("0.4.2", "3.7.0", False),
+                                            ("0.5.0", "3.6.0", False), ("0.6.0", "3.8.0", False)])
+def test_blackwell_silent_nan_gradients_reported_for_fla_0_5_with_triton_3_7(fla, triton, bad):
+    found = codes(facts(fla=fla, triton=triton, gpu=BLACKWELL))
+    assert (found.get("fla-blackwell-nan") == "danger") == bad, found
+
+
+@pytest.mark.parametrize("guard,warned", [(Accepts.NO, True), (Accepts.YES, False), (Accepts.UNKNOWN, False)])
+def test_blackwell_backward_hang_where_fla_lacks_the_autotune_guard(guard, warned):
+    found = codes(facts(fla="0.6.0", triton="3.7.1", gpu=BLACKWELL, fla_blackwell_wy_guard=guard))
+    assert ("fla-blackwell-hang" in found) == warned
+    assert "fla-blackwell-hang" not in codes(facts(gpu=HOPPER, fla_blackwell_wy_guard=Accepts.NO))
+
+
+@pytest.mark.parametrize("cap,said", [((9, 0), False), ((8, 0), True), ((12, 0), True), ((10, 3), True)])
+def test_a_gpu_generation_without_a_verified_run_says_so(cap, said):
+    assert (codes(facts(gpu=dict(gpu=Gpu("X", cap)))).get("gpu-not-verified") == "info") == said
+
+
+def test_rocm_is_a_warning_naming_the_known_nan_report():
+    [f] = [x for x in check(facts(rocm="6.4.1", gpu=dict(gpu=Gpu("AMD Instinct MI300X", (9, 4)))))
+           if x.code == "rocm-gdn"]
+    assert f.severity == "warning" and "Primus/pull/937" in f.source and "use_gate_in_kernel=False" in f.message
+
+
+def test_gpu_rules_need_gdn():
+    none = dict(gdn=Layout.ABSENT, gdn_thd=Thd.ABSENT, gdn_legacy_shape=False)
+    assert not {"fla-blackwell-compile", "gpu-not-verified"} & set(codes(facts(triton="3.4.0", gpu=BLACKWELL, **none)))
+
+
+def test_the_installed_fla_guard_is_read_from_its_source():
+    from packaging.version import Version
+
+    from gdn_compat import probe
+    from gdn_compat._probe import _WY_GUARD
+
+    assert _WY_GUARD.search("PREPARE_WY_REPR_BWD_NUM_WARPS = [2] if IS_NVIDIA_BLACKWELL else [2, 4]")
+    assert not _WY_GUARD.search("configs=[triton.Config({}, num_warps=w) for w in [2, 4]]")  # fla 0.4.2's shape
+    f = probe()
+    if f.fla is None or f.fla_error or Version(f.fla.version) < Version("0.6.0"):
+        pytest.skip(f"needs fla-core >= 0.6.0 (read: it carries PR #1000), have {f.fla}")
+    assert f.fla_blackwell_wy_guard is Accepts.YES
