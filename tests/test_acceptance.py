@@ -251,7 +251,7 @@ def test_packed_training_step_matches_per_sequence_runs(matrix, cell, recompute)
 @pytest.mark.parametrize("cell", CELLS, ids=[c.id(False).replace("-none", "") for c in CELLS])
 def test_full_recompute_is_bitwise_no_recompute(matrix, cell):
     """Every real token's loss and every gradient (this rank's shard), packed, with and without full
-    recompute (for MTP on 0.16/0.17 through mtp_packed_recompute, on 0.18 mtp_padding_mask)."""
+    recompute (for MTP on 0.16/0.17 through mtp_checkpoint_args, on 0.18 mtp_padding_mask)."""
     plain, full = matrix[cell.id(False)], matrix[cell.id(True)]
     if DETERMINISTIC_THD_HOLE:
         pytest.xfail(f"{MEGATRON}: packed GDN does not run here -- needs gdn_thd_deterministic (#15)")

@@ -73,7 +73,7 @@ def test_plan_says_would_apply_where_apply_says_applied():
 
 
 def test_after_apply_the_plan_keeps_every_skip_reason():
-    """Two patches may share a target (0.15-0.17: mtp_packed_recompute and mtp_padding_mask); our own
+    """Two patches may share a target (0.15-0.17: mtp_checkpoint_args and mtp_padding_mask); our own
     replacement of it must not turn the other's reason into 'someone else replaced it'."""
     before = {r.name: r for r in gdn_compat.plan()}
     with gdn_compat.applied():

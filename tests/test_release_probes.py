@@ -15,10 +15,10 @@ from tests.support.release import FACTS, MEGATRON
 GDN_16 = dict(gdn="module", gdn_thd="refuses", gdn_cp="none", config=True, comm=Accepts.NO, mtp="generic",
               roll="by cu_seqlens_q",
               needs={"gdn_thd", "config_gdn_cp", "gdn_cp_comm_type", "gdn_out_norm_tp_grad",
-                     "mtp_packed_recompute", "mtp_packed_roll"})
+                     "mtp_checkpoint_args", "mtp_packed_roll"})
 GENERATION = {
     "0.15": dict(gdn="absent", gdn_thd="absent", gdn_cp="absent", config=False, comm=Accepts.ABSENT, mtp="generic",
-                 roll="absent", needs={"mtp_packed_recompute"}),
+                 roll="absent", needs={"mtp_checkpoint_args"}),
     "0.16": dict(GDN_16, backward_dw=Accepts.NO, needs=GDN_16["needs"] | {"gdn_backward_dw"}),
     "0.17": GDN_16,
     "0.18": dict(gdn="module", gdn_thd="native", gdn_cp="native", config=False, comm=Accepts.NO,

@@ -13,11 +13,11 @@ from gdn_compat.patches import (
     gdn_thd_cp_fused,
     gdn_thd_deterministic,
     gdn_thd_graph_safe,
-    mtp_packed_recompute,
+    mtp_checkpoint_args,
     mtp_packed_roll,
     mtp_padding_mask,
 )
 
 PATCHES = (gdn_thd.PATCH, gdn_thd_deterministic.PATCH, gdn_thd_graph_safe.PATCH, gdn_thd_cp_fused.PATCH, config_gdn_cp.PATCH,
-           gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH, gdn_backward_dw.PATCH, mtp_packed_recompute.PATCH,
+           gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH, gdn_backward_dw.PATCH, mtp_checkpoint_args.PATCH,
            mtp_packed_roll.PATCH, mtp_padding_mask.PATCH)

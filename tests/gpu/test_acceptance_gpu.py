@@ -122,7 +122,7 @@ MTP_LENGTHS, MTP_SLOTS = [1, 700, 1500, 300, 1000, 596], [64, 704, 1536, 320, 10
 def test_mtp_on_a_padded_pack_full_recompute_is_bitwise_no_recompute_bf16(megatron_cpu, monkeypatch):
     """#13 on a GPU: a GPTModel with one MTP layer (inner layer GDN + MLP), bf16, the Qwen3-Next GDN
     head shape, a padded pack; recompute_granularity='full' must give the losses and every gradient of
-    no recompute bit for bit (0.16/0.17 through mtp_packed_recompute, 0.18 through mtp_padding_mask;
+    no recompute bit for bit (0.16/0.17 through mtp_checkpoint_args, 0.18 through mtp_padding_mask;
     the MTP roll through mtp_packed_roll everywhere)."""
     assert megatron_cpu == "cuda"
     if FACTS.gdn == "absent":

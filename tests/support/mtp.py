@@ -61,3 +61,29 @@ def loss_and_grads(model, data, use_mask=True):
     clear_aux_losses_tracker()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads
+
+
+def te_like_checkpoint(function, distribute_saved_activations, get_rng_tracker, tp_group, *args, **kwargs):
+    """Transformer Engine's ``checkpoint`` as its source behaves (``transformer_engine/pytorch/distributed.py``):
+    positional tensors are the autograd Function's inputs and are saved; keyword arguments are kept in the
+    context and handed to the recompute as they are, so they are no inputs of the Function and get no
+    gradient through it. (RNG-state handling left out: the stand-in layers here draw no random numbers.)"""
+
+    class _Checkpoint(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            ctx.save_for_backward(*inputs)
+            with torch.no_grad():
+                return function(*inputs, **kwargs)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            detached = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                             for t in ctx.saved_tensors)
+            with torch.enable_grad():
+                outputs = function(*detached, **kwargs)
+            outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+            torch.autograd.backward(outputs, grads)
+            return tuple(t.grad if isinstance(t, torch.Tensor) else None for t in detached)
+
+    return _Checkpoint.apply(*args)

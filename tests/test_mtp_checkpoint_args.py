@@ -1,4 +1,4 @@
-"""mtp_packed_recompute (#13 part 1) on the release's real MultiTokenPredictionLayer (0.15-0.17).
+"""mtp_checkpoint_args (#13 part 1) on the release's real MultiTokenPredictionLayer (0.15-0.17).
 
 The layer comes from a real GPTModel with an MoE MTP layer and full recompute; only its
 ``_proj_and_transformer_layer`` is replaced by a recording stand-in whose output depends on the
@@ -17,8 +17,8 @@ from tests.support.gdn import packed
 from tests.support.mtp import build_gpt
 from tests.support.release import skip_reason
 
-pytestmark = pytest.mark.skipif(skip_reason("mtp_packed_recompute") is not None,
-                                reason=str(skip_reason("mtp_packed_recompute")))
+pytestmark = pytest.mark.skipif(skip_reason("mtp_checkpoint_args") is not None,
+                                reason=str(skip_reason("mtp_checkpoint_args")))
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_patched_recompute_sees_the_same_packed_params_and_matches_no_recompute(
     mtp_layer, calls = layer
     psp = packed([0, 2, 6])
     with gdn_compat.applied() as report:
-        assert report["mtp_packed_recompute"].status == "applied"
+        assert report["mtp_checkpoint_args"].status == "applied"
         got = _step(mtp_layer, _kwargs(megatron_cpu, psp))
     assert [grad for grad, _ in calls] == [False, True]  # the forward without grad, then the recompute
     assert all(p is psp for _, p in calls)
@@ -103,3 +103,39 @@ def test_fp8_branch_keeps_te_checkpoint_with_the_release_rng_tracker_and_tp_grou
     assert group is release.parallel_state.get_tensor_model_parallel_group()
     assert "PackedSeqParams" not in kinds  # bound in the closure, not saved
     assert [grad for grad, _ in calls] == [False, True] and all(p is psp for _, p in calls)
+
+
+def _fp8_step(mtp_layer, kw, checkpointed=True):
+    """One step whose loss also has terms outside the MTP layer (as a real one does: the LM loss), so a
+    lost MTP gradient shows as a missing contribution, not as an error."""
+    forward = mtp_layer._proj_and_transformer_layer
+    out = mtp_layer._checkpointed_forward(forward, **kw) if checkpointed else forward(**kw)
+    (out.sum() + kw["hidden_states"].sum() + kw["decoder_input"].sum()).backward()
+    return kw["hidden_states"].grad.clone(), kw["decoder_input"].grad.clone()
+
+
+@pytest.fixture
+def te_fp8(layer, monkeypatch):
+    import megatron.core.extensions.transformer_engine as te_ext
+
+    from tests.support.mtp import te_like_checkpoint
+
+    monkeypatch.setattr(te_ext, "te_checkpoint", te_like_checkpoint, raising=False)
+    monkeypatch.setattr(layer[0].config, "fp8", "e4m3")
+    return layer[0]
+
+
+def test_unpatched_fp8_recompute_loses_the_mtp_gradients_without_an_error(te_fp8, megatron_cpu):
+    ref = _fp8_step(te_fp8, _kwargs(megatron_cpu, None), checkpointed=False)
+    got = _fp8_step(te_fp8, _kwargs(megatron_cpu, None))  # no pack: the hole is fp8's, not packing's
+    assert all(torch.equal(g, torch.ones_like(g)) for g in got)  # only the outside terms' gradient arrived
+    assert not any(torch.equal(r, torch.ones_like(r)) for r in ref)
+
+
+@pytest.mark.parametrize("pack", [None, [0, 2, 6]], ids=["unpacked", "packed"])
+def test_patched_fp8_recompute_keeps_the_mtp_gradients(te_fp8, megatron_cpu, pack):
+    psp = None if pack is None else packed(pack)
+    ref = _fp8_step(te_fp8, _kwargs(megatron_cpu, psp), checkpointed=False)
+    with gdn_compat.applied():
+        got = _fp8_step(te_fp8, _kwargs(megatron_cpu, psp))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))

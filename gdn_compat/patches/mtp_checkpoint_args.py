@@ -1,11 +1,20 @@
-"""mtp_packed_recompute: MTP with full activation recompute and packed sequences on 0.15.x-0.17.x.
+"""mtp_checkpoint_args: MTP with full activation recompute on 0.15.x-0.17.x: packed sequences and fp8.
 
 Their generic ``MultiTokenPredictionLayer._checkpointed_forward(self, forward_func, *args, **kwargs)``
-hands ``*kwargs.values()`` to ``tensor_parallel.checkpoint``, whose ``save_for_backward`` refuses any
-non-tensor: with a ``PackedSeqParams`` (THD, which gdn_thd makes reachable for GDN on 0.16/0.17)
-the first training step dies with ``TypeError: save_for_backward can only save variables, but
-argument N is of type PackedSeqParams`` (upstream issue #3643; fixed in 0.18.0 by PR #4593, which
-rewrote the method). Only the uniform branch is affected; the 'block' branch runs without recompute.
+gets every argument by keyword and mishandles them in both branches of ``recompute_method='uniform'``
+(the 'block' branch runs without recompute):
+
+* bf16/fp32: it hands ``*kwargs.values()`` to ``tensor_parallel.checkpoint``, whose ``save_for_backward``
+  refuses any non-tensor: with a ``PackedSeqParams`` (THD, which gdn_thd makes reachable for GDN on
+  0.16/0.17) the first step dies with ``TypeError: save_for_backward can only save variables, but
+  argument N is of type PackedSeqParams`` (upstream issue #3643);
+* fp8/fp4: it hands ``**kwargs`` to ``te_checkpoint``. Transformer Engine's ``checkpoint`` keeps keyword
+  arguments in its autograd context and recomputes with them, but they are not inputs of its autograd
+  Function: ``hidden_states`` and ``decoder_input`` get no gradient through the MTP layer, and the MTP
+  layer's own parameters none either, without an error, packed or not (upstream PR #4765's discussion
+  of the Qwen3.5 MXFP8 MTP loss gap).
+
+Both were fixed in 0.18.0 by PR #4593, which rewrote the method.
 
 The replacement keeps the release's branches and calls (``te_checkpoint`` with the release's RNG
 tracker and tensor-parallel group under fp8, ``tensor_parallel.checkpoint`` otherwise) and changes
@@ -76,11 +85,12 @@ def build(facts: Facts, original: Any) -> Any:
 
 
 PATCH = Patch(
-    name="mtp_packed_recompute",
+    name="mtp_checkpoint_args",
     target=Target(MTP_MODULE, "MultiTokenPredictionLayer", "_checkpointed_forward"),
     decide=decide,
     build=build,
-    summary="MultiTokenPredictionLayer._checkpointed_forward passes tensors through the recompute and binds "
-            "non-tensors (PackedSeqParams) in its closure, so MTP + packed sequences + full recompute runs "
-            "(upstream issue #3643, fixed in 0.18.0 by PR #4593)",
+    summary="MultiTokenPredictionLayer._checkpointed_forward passes tensors positionally through the recompute and "
+            "binds non-tensors (PackedSeqParams) in its closure: MTP + full recompute runs with packed sequences "
+            "(upstream issue #3643) and, under fp8, keeps the MTP gradients Transformer Engine's checkpoint drops "
+            "for keyword tensors (PR #4765); fixed in 0.18.0 by PR #4593",
 )
