@@ -15,35 +15,41 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def pytest_configure(config):
     config.addinivalue_line("markers", "heavy: a suite run once per distinct megatron-core source in one nox run "
                                        "(tests/support/suite_records.py)")
+    worker = hasattr(config, "workerinput")  # a pytest-xdist worker: the controller owns the records
     out = suite_records.folder()
-    for stale in (out / "imports").glob("*.json") if out else ():
+    for stale in (out / "imports").glob("*.json") if out and not worker else ():
         stale.unlink()  # an earlier session that failed before writing its record
+    config.stash[_SAME] = suite_records.earlier_identical(MEGATRON) if MEGATRON else None
 
 
 def pytest_collection_modifyitems(config, items):
-    same = suite_records.earlier_identical(MEGATRON) if MEGATRON else None
-    config.stash[_HEAVY] = [item for item in items if item.get_closest_marker("heavy")]
+    same = config.stash[_SAME]
     if same is None:
         return
     release, files = same
     skip = pytest.mark.skip(reason=f"heavy suite: the {files} megatron-core files it imported under {release} (every "
                                    f"process, package_info.py without its version lines) are byte-identical in "
                                    f"{MEGATRON}; {release} ran it in this nox run")
-    for item in config.stash[_HEAVY]:
-        item.add_marker(skip)
-    config.stash[_HEAVY] = []
+    for item in items:
+        if item.get_closest_marker("heavy"):
+            item.add_marker(skip)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """A session that ran the whole heavy suite and passed leaves its record for the releases after it."""
+    """A whole session that ran the heavy suite and passed leaves its record for the releases after it."""
     config = session.config
+    if not suite_records.folder() or not MEGATRON:
+        return
+    if hasattr(config, "workerinput"):  # an xdist worker: its imports count, the controller writes
+        suite_records.log_imports()
+        return
     whole = not (config.option.keyword or config.option.markexpr or getattr(config.option, "deselect", None)) \
         and all(pathlib.Path(a).resolve() == ROOT / "tests" for a in config.args)
-    if suite_records.folder() and MEGATRON and whole and exitstatus == 0 and config.stash.get(_HEAVY, []):
+    if whole and exitstatus == 0 and config.stash[_SAME] is None:
         suite_records.write_record(MEGATRON)
 
 
-_HEAVY = pytest.StashKey[list]()
+_SAME = pytest.StashKey[tuple | None]()
 
 
 @pytest.fixture(scope="session")
