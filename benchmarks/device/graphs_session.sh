@@ -28,15 +28,5 @@ for v in 0.17.1 0.19.2; do  # benchmarks: the GPU to themselves
 done
 step bench-gs-0.19.2 90 $(PP 0.19.2) python3 -m benchmarks.bench_graphs --graph-safe --json $LOGS/graphs-gs-0.19.2.json
 step gpu-0.19.2 120 $(PP 0.19.2) GDN_XVER_DIR=/tmp/xver $PT tests/gpu --deselect tests/gpu/test_cuda_graph_gpu.py
-echo; (cd $LOGS && grep -H "passed\|failed\|Error\|^\[\|^  \|bitwise\|^megatron-core\|^what\|^rl\|^16k" *.log \
-  | grep -v "warnings.warn\|^\S*:\s*$" | cut -c1-400 | head -150)
-echo "[plan] finished at +$(( $(date +%s) - T0 ))s:"; for f in /tmp/done/*; do echo "  $(basename $f) rc=$(cat $f)"; done
-if [ -n "${OUT:-}" ]; then
-  for f in $LOGS/*.log; do echo "===== $(basename $f)"; cat $f; done > $OUT/all-logs.txt
-  tar -C $LOGS -cf $OUT/json.tar $(cd $LOGS && ls *.json 2>/dev/null) 2>/dev/null
-  if [ "${SAVE_CACHE:-1}" = 1 ]; then  # for the next fresh machine: at most 4 parts of 15 MiB
-    tar -C /tmp -cf - triton-cache inductor-cache 2>/dev/null | xz -T0 -2 | split -b 15M -a 1 - $OUT/tcache.tar.xz.
-    n=$(ls $OUT/tcache.tar.xz.* | wc -l); [ "$n" -le 4 ] || { echo "[plan] cache too big ($n parts): not kept"; rm -f $OUT/tcache.tar.xz.*; }
-  fi
-fi
+finish "passed\|failed\|Error\|^\[\|^  \|bitwise\|^megatron-core\|^what\|^rl\|^16k"
 true

@@ -43,15 +43,5 @@ step prof-0.17.1 60 $(PP 0.17.1) TORCH_LOGS=recompiles python3 -m benchmarks.ben
 for v in 0.17.1 0.19.2; do
   step proflayer-$v 45 $(PP $v) TORCH_LOGS=recompiles python3 -m benchmarks.bench_stack --only layer --profile --reps 5
 done
-echo; (cd $LOGS && grep -H "passed\|failed\|error\|Error\|^\[\|bitwise\|differ\|^THD\|^padded\|^per-seq\|^megatron-core\|^mode\|^one GDN\|^stack\|^what\|^step\|^whole\|^fla\|^gating\|^q/k\|^in_proj\|^out_proj" *.log \
-  | grep -v "warnings.warn\|^\S*:\s*$" | cut -c1-300 | head -150)
-echo "[plan] finished at +$(( $(date +%s) - T0 ))s:"; for f in /tmp/done/*; do echo "  $(basename $f) rc=$(cat $f)"; done
-if [ -n "${OUT:-}" ]; then
-  for f in $LOGS/*.log; do echo "===== $(basename $f)"; cat $f; done > $OUT/all-logs.txt
-  tar -C $LOGS -cf $OUT/json.tar $(cd $LOGS && ls *.json 2>/dev/null) 2>/dev/null
-  if [ "${SAVE_CACHE:-1}" = 1 ]; then  # for the next fresh machine: at most 4 parts of 15 MiB
-    tar -C /tmp -cf - triton-cache inductor-cache 2>/dev/null | xz -T0 -2 | split -b 15M -a 1 - $OUT/tcache.tar.xz.
-    n=$(ls $OUT/tcache.tar.xz.* | wc -l); [ "$n" -le 4 ] || { echo "[plan] cache too big ($n parts): not kept"; rm -f $OUT/tcache.tar.xz.*; }
-  fi
-fi
+finish "passed\|failed\|error\|Error\|^\[\|bitwise\|differ\|^THD\|^padded\|^per-seq\|^megatron-core\|^mode\|^one GDN\|^stack\|^what\|^step\|^whole\|^fla\|^gating\|^q/k\|^in_proj\|^out_proj"
 true

@@ -22,3 +22,14 @@ step() {  # step NAME MIN_SECONDS ENV... COMMAND...
 }
 PP() { echo "PYTHONPATH=$root:/tmp/mc-$1:${2:-/tmp/fla}"; }  # PP VERSION [FLA_DIR]
 PT="python3 -m pytest -q -s -rs -p no:cacheprovider -W ignore"
+finish() {  # finish GREP_PATTERN: the matching log lines, the steps' exit codes, logs/JSON/Triton cache to $OUT
+  echo; (cd $LOGS && grep -H "$1" *.log | grep -v "warnings.warn\|^\S*:\s*$" | cut -c1-400 | head -150)
+  echo "[plan] finished at +$(( $(date +%s) - T0 ))s:"; for f in /tmp/done/*; do echo "  $(basename $f) rc=$(cat $f)"; done
+  [ -n "${OUT:-}" ] || return 0
+  for f in $LOGS/*.log; do echo "===== $(basename $f)"; cat $f; done > $OUT/all-logs.txt
+  tar -C $LOGS -cf $OUT/json.tar $(cd $LOGS && ls *.json 2>/dev/null) 2>/dev/null
+  if [ "${SAVE_CACHE:-1}" = 1 ]; then  # for the next fresh machine: at most 4 parts of 15 MiB
+    tar -C /tmp -cf - triton-cache inductor-cache 2>/dev/null | xz -T0 -2 | split -b 15M -a 1 - $OUT/tcache.tar.xz.
+    n=$(ls $OUT/tcache.tar.xz.* | wc -l); [ "$n" -le 4 ] || { echo "[plan] cache too big ($n parts): not kept"; rm -f $OUT/tcache.tar.xz.*; }
+  fi
+}
