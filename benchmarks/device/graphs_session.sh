@@ -28,5 +28,11 @@ for v in 0.17.1 0.19.2; do  # benchmarks: the GPU to themselves
 done
 step bench-gs-0.19.2 90 $(PP 0.19.2) python3 -m benchmarks.bench_graphs --graph-safe --json $LOGS/graphs-gs-0.19.2.json
 step gpu-0.19.2 120 $(PP 0.19.2) GDN_XVER_DIR=/tmp/xver $PT tests/gpu --deselect tests/gpu/test_cuda_graph_gpu.py
+for v in 0.17.1 0.19.2; do  # the README's recipe end to end, and the native routes after a refactor
+  step ex-$v 60 $(PP $v) python3 -m examples.graph_packed_model --steps 8 --layers 2 --check 2
+done
+for v in 0.19.2 0.18.2; do
+  step routes-$v 60 $(PP $v) $PT tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_deterministic_gpu.py tests/gpu/test_doctor_gpu.py
+done
 finish "passed\|failed\|Error\|^\[\|^  \|bitwise\|^megatron-core\|^what\|^rl\|^16k"
 true
