@@ -196,16 +196,14 @@ def _worker(rank: int, world: int, port: int, ref_path: str, out_path: str, cell
 @pytest.fixture(scope="module")
 def matrix(megatron_cpu):
     """Every cell's worst errors: the 1-rank cells in this process, the 2-rank cells in one spawn."""
-    import torch.multiprocessing as mp
-
-    from tests.support.megatron import free_port
+    from tests.support.megatron import free_port, spawn
 
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patcher:
         use_torch_l2norm(patcher)
         ref_path, out_path = os.path.join(tmp, "ref.pt"), os.path.join(tmp, "out.pt")
         _reference(ref_path)
         two = [(c, r) for c in CELLS if c.tp * c.cp == 2 for r in (False, True)]
-        mp.spawn(_worker, args=(2, free_port(), ref_path, out_path, two), nprocs=2, join=True)
+        spawn(_worker, (2, free_port(), ref_path, out_path, two), 2)
         results = torch.load(out_path)
         ref = torch.load(ref_path)
         from megatron.core import parallel_state

@@ -90,9 +90,8 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
 @pytest.mark.heavy
 def test_context_parallel_2_and_4_ranks_equal_cp1_bshd_and_thd(megatron_cpu, monkeypatch):
     import megatron.core.ssm.gated_delta_net as release
-    import torch.multiprocessing as mp
 
-    from tests.support.megatron import free_port
+    from tests.support.megatron import free_port, spawn
 
     monkeypatch.setattr(release, "l2norm", l2norm_ref)  # the cp = 1 BSHD reference is the release's code
     world = world_size()
@@ -100,7 +99,7 @@ def test_context_parallel_2_and_4_ranks_equal_cp1_bshd_and_thd(megatron_cpu, mon
         path = os.path.join(tmp, "ref.pt")
         reference(path, megatron_cpu)
         started = time.perf_counter()
-        mp.spawn(worker, args=(world, free_port(), path), nprocs=world, join=True)
+        spawn(worker, (world, free_port(), path), world)
         print(f"\n[cp] {world} ranks (cp=2 pairs{' and cp=4' if world == 4 else ''}): "
               f"{time.perf_counter() - started:.1f} s")
 

@@ -95,15 +95,13 @@ def _worker(rank: int, port: int, ref_path: str, out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(megatron_cpu):
-    import torch.multiprocessing as mp
-
-    from tests.support.megatron import free_port
+    from tests.support.megatron import free_port, spawn
 
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patcher:
         use_torch_l2norm(patcher)
         ref_path, out_path = os.path.join(tmp, "ref.pt"), os.path.join(tmp, "out-{rank}.pt")
         _reference(ref_path)
-        mp.spawn(_worker, args=(free_port(), ref_path, out_path), nprocs=2, join=True)
+        spawn(_worker, (free_port(), ref_path, out_path), 2)
         return torch.load(ref_path), [torch.load(out_path.format(rank=r)) for r in range(2)]
 
 

@@ -94,15 +94,13 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
 
 
 def test_patched_packed_cp_equals_the_release_per_sequence_path_and_cp1(megatron_cpu, monkeypatch):
-    import torch.multiprocessing as mp
-
-    from tests.support.megatron import free_port
+    from tests.support.megatron import free_port, spawn
 
     fla_on_cpu(monkeypatch.setattr)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ref.pt")
         _reference(path)  # cp = 1: the release's own native THD, whole pack
-        mp.spawn(_worker, args=(4, free_port(), path), nprocs=4, join=True)
+        spawn(_worker, (4, free_port(), path), 4)
 
 
 def test_cp1_and_unpacked_calls_stay_the_release_forward(megatron_cpu, monkeypatch):

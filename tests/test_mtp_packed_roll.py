@@ -160,12 +160,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def cp_findings():
-    import torch.multiprocessing as mp
-
-    from tests.support.megatron import free_port
+    from tests.support.megatron import free_port, spawn
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(4, free_port(), tmp), nprocs=4, join=True)
+        spawn(_worker, (4, free_port(), tmp), 4)
         return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(4)]
 
 

@@ -44,16 +44,31 @@ def test_apply_twice_then_revert_restores_every_original():
     assert gdn_compat.revert().records == reverted.records  # harmless twice
 
 
+IMPORT_ONLY = ("import importlib, gdn_compat\nfrom gdn_compat.patches import PATCHES\nfrom gdn_compat._registry import MARKER\n"
+               "for p in PATCHES:\n"
+               "    try: owner, obj = p.target.resolve()\n"
+               "    except Exception: continue\n"
+               "    assert not hasattr(obj, MARKER), p.name\n"
+               "print('unchanged')")
+
+
+@pytest.fixture(scope="module")
+def fresh_processes():
+    """The two checks that need a fresh interpreter, started together (each spends ~10 s importing)."""
+    runs = {"import": [sys.executable, "-c", IMPORT_ONLY], "doctor": [sys.executable, "-m", "gdn_compat", "--json"]}
+    procs = {k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for k, cmd in runs.items()}
+    out = {}
+    for k, proc in procs.items():
+        stdout, stderr = proc.communicate()  # reads both pipes to the end, then waits
+        out[k] = (proc.returncode, stdout, stderr)
+    return out
+
+
 @pytest.mark.heavy
-def test_importing_changes_nothing():
-    code = ("import importlib, gdn_compat\nfrom gdn_compat.patches import PATCHES\nfrom gdn_compat._registry import MARKER\n"
-            "for p in PATCHES:\n"
-            "    try: owner, obj = p.target.resolve()\n"
-            "    except Exception: continue\n"
-            "    assert not hasattr(obj, MARKER), p.name\n"
-            "print('unchanged')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert out.stdout.strip().endswith("unchanged"), out.stderr[-2000:]
+def test_importing_changes_nothing(fresh_processes):
+    _, stdout, stderr = fresh_processes["import"]
+    assert stdout.strip().endswith("unchanged"), stderr[-2000:]
 
 
 def test_applied_context_reverts_what_it_applied():
@@ -84,10 +99,10 @@ def test_after_apply_the_plan_keeps_every_skip_reason():
 
 
 @pytest.mark.heavy
-def test_doctor_json_is_machine_readable_and_agrees_with_the_plan():
-    out = subprocess.run([sys.executable, "-m", "gdn_compat", "--json"], capture_output=True, text=True, cwd=ROOT)
-    data = json.loads(out.stdout)
-    assert out.returncode == (0 if data["ok"] else 1)
+def test_doctor_json_is_machine_readable_and_agrees_with_the_plan(fresh_processes):
+    returncode, stdout, _ = fresh_processes["doctor"]
+    data = json.loads(stdout)
+    assert returncode == (0 if data["ok"] else 1)
     assert {p["name"]: p["status"] for p in data["patches"]} == {r.name: r.status for r in gdn_compat.plan()}
     assert data["facts"]["megatron"]["version"] == MEGATRON
 

@@ -91,3 +91,19 @@ def world(rank: int = 0, size: int = 1, *, tp: int = 1, cp: int = 1, port: int |
 
             model_parallel_cuda_manual_seed(1234)
         yield "cuda" if cuda else "cpu"
+
+
+_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "gdn_compat",
+            "tests.support.megatron", "tests.support.gdn", "tests.support.model"]
+
+
+def spawn(fn, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn`` for the CPU rank tests, through a forkserver that imported torch and
+    megatron-core once: every rank forks from it instead of importing them again (the forkserver runs no
+    torch op, so forking it is safe). Same semantics as spawn: fresh globals, no state from the caller."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
