@@ -159,6 +159,7 @@ class Facts:
     gdn_legacy_shape: bool = False  # the exact 0.16/0.17 forward and helpers gdn_thd relies on
     gdn_native_shape: bool = False  # the exact 0.18/0.19 native-THD forward and helpers gdn_compat's routes wrap
     gdn_cp_per_sequence: bool = False  # native packed CP runs one all-to-all per sequence (0.18; 0.19 fused, #4913)
+    gdn_gate_exp: str = "absent"  # GatedDeltaNet._compute_g_and_beta's exp of A_log: "parameter dtype", "fp32", "unknown"
     gdn_cp: Cp = Cp.ABSENT
     gdn_conv: Conv = Conv.ABSENT  # the unpacked conv of this release's GDN
     gdn_init_cp_comm_type: Accepts = Accepts.ABSENT  # GatedDeltaNet.__init__(cp_comm_type=)
@@ -279,6 +280,7 @@ def _probe_deterministic_thd(out: dict[str, Any], cls: Any, defining: Any, param
         return
     out["gdn_native_shape"] = bool(params == GDN_NATIVE_PARAMS and callable(getattr(cls, "_apply_gated_norm", None))
                                    and callable(getattr(defining, "torch_chunk_gated_delta_rule", None)))
+    out["gdn_gate_exp"] = _gate_exp(cls)
     # 0.18: unpacks the pack with the module's _unpack_sequence and runs an all-to-all per sequence
     out["gdn_cp_per_sequence"] = bool(callable(getattr(defining, "_unpack_sequence", None))
                                       and re.search(r"_unpack_sequence\([^)]*cp_size", src) is not None)
@@ -291,6 +293,28 @@ def _probe_deterministic_thd(out: dict[str, Any], cls: Any, defining: Any, param
                                                  "signature or helpers differ from 0.18/0.19")
     else:
         out["gdn_thd_deterministic"] = Accepts.NO
+
+
+GATE_PARAMS = ("self", "A_log_local_cp", "dt_bias_local_cp", "alpha", "beta")
+
+
+def _gate_exp(cls: Any) -> str:
+    """How 0.18/0.19's ``_compute_g_and_beta`` takes the exp of ``A_log`` (0.16/0.17 compute the gate inline)."""
+    method = getattr(cls, "_compute_g_and_beta", None)
+    if method is None:
+        return "absent"
+    try:
+        func = getattr(method, "__wrapped__", method)
+        params, src = tuple(inspect.signature(func).parameters), inspect.getsource(func)
+    except (TypeError, OSError, ValueError):
+        return "unknown"
+    if params != GATE_PARAMS:
+        return "unknown"
+    if re.search(r"-\s*A_log_local_cp\.exp\(\)", src):
+        return "parameter dtype"
+    if re.search(r"A_log_local_cp\.float\(\)\.exp\(\)", src):
+        return "fp32"
+    return "unknown"
 
 
 def _probe_config(out: dict[str, Any]) -> None:

@@ -123,6 +123,9 @@ def foreign(owner: Any, attr: str, obj: Any) -> str | None:
     if getattr(obj, MARKER, None):
         return f"{name} already carries another gdn_compat's {getattr(obj, MARKER)} replacement"
     func = getattr(obj, "__func__", obj)
+    # megatron's jit_fuser is torch.compile: its wrapper holds the release's own function (only that wrapper
+    # is looked through; any other wrapper, functools.wraps or not, is someone else's object)
+    func = getattr(func, "_torchdynamo_orig_callable", None) or func
     code = getattr(func, "__code__", None)
     home = getattr(owner if module else sys.modules.get(owner.__module__), "__file__", None)
     qualname = attr if module else f"{owner.__qualname__}.{attr}"

@@ -77,3 +77,24 @@ def test_revert_keeps_a_wrapper_installed_after_apply(target):
 def test_force_names_must_be_patches():
     with pytest.raises(TypeError, match=r"unknown patch\(es\) \['gdn_tdh'\]"):
         gdn_compat.apply(force=["gdn_tdh"])
+
+
+def test_only_torch_compile_s_wrapper_of_the_release_own_function_is_looked_through():
+    """megatron's jit_fuser wraps the release's own method (0.18/0.19's _compute_g_and_beta) in torch.compile's
+    wrapper: still the release's own. A functools.wraps wrapper of it is someone else's object."""
+    import torch
+
+    from gdn_compat._registry import foreign
+
+    class Owner:
+        def method(self):
+            return 1
+
+    own = Owner.__dict__["method"]
+    assert foreign(Owner, "method", torch.compile(own)) is None
+
+    @functools.wraps(own)
+    def theirs(self):
+        return own(self)
+
+    assert "no longer the release's own" in foreign(Owner, "method", theirs)

@@ -8,6 +8,7 @@ from gdn_compat.patches import (
     config_gdn_cp,
     gdn_backward_dw,
     gdn_cp_comm_type,
+    gdn_gate_fp32,
     gdn_out_norm_tp_grad,
     gdn_thd,
     gdn_thd_cp_fused,
@@ -19,5 +20,5 @@ from gdn_compat.patches import (
 )
 
 PATCHES = (gdn_thd.PATCH, gdn_thd_deterministic.PATCH, gdn_thd_graph_safe.PATCH, gdn_thd_cp_fused.PATCH, config_gdn_cp.PATCH,
-           gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH, gdn_backward_dw.PATCH, mtp_checkpoint_args.PATCH,
+           gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH, gdn_backward_dw.PATCH, gdn_gate_fp32.PATCH, mtp_checkpoint_args.PATCH,
            mtp_packed_roll.PATCH, mtp_padding_mask.PATCH)

@@ -130,6 +130,12 @@ class Core:
         self.varlen = varlen
         self.fla_deterministic = atomic_free is Accepts.YES
 
+    @staticmethod
+    def gate(layer: Any, own: Any) -> Any:
+        """The layer's own gate (0.18/0.19's ``_compute_g_and_beta``, or gdn_gate_fp32's replacement of it),
+        so packed and unpacked calls compute the same gate; 0.16/0.17 compute it inline: ``own``."""
+        return getattr(layer, "_compute_g_and_beta", None) or own
+
     def rule(self, query, key, value, g, beta, pack: Pack):
         """fla's delta rule over the pack, handed its chunk indices where fla takes them."""
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -185,7 +191,7 @@ class Core:
             qkv, gate, beta, alpha, total, loc.qk, loc.v, loc.dk, loc.dv, loc.repeat, bool(layer.use_qk_l2norm),
             self.l2norm_home.l2norm,
         )
-        g, beta = gb(loc.A_log, loc.dt_bias, alpha, beta)
+        g, beta = self.gate(layer, gb)(loc.A_log, loc.dt_bias, alpha, beta)
         return self.rule(query, key, value, g, beta, pack), gate
 
     def torch(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack):
@@ -197,7 +203,7 @@ class Core:
                                    "on the host: it cannot be captured in a CUDA graph")
             bounds = pack.cu.tolist()
             spans = tuple((a, b) for a, b in zip(bounds, bounds[1:]) if b > a)
-        g, beta = g_and_beta(loc.A_log, loc.dt_bias, alpha, beta)
+        g, beta = self.gate(layer, g_and_beta)(loc.A_log, loc.dt_bias, alpha, beta)
         outs = []
         width = loc.conv_w.shape[-1]
         for start, end in spans:  # one sequence at a time: state cannot cross a boundary

@@ -1,0 +1,68 @@
+"""gdn_gate_fp32 (#22 item 5, opt-in): the decay gate's exp of A_log in fp32 on 0.18/0.19's real GatedDeltaNet.
+
+The measurement that made it worth a patch is benchmarks/gate_precision.py (README, "GDN gate precision").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gdn_compat
+from tests.support.gdn import build_gdn, offsets, packed, packed_run, rel, use_torch_l2norm
+from tests.support.release import FACTS, MEGATRON
+
+[_PLAN] = [r for r in gdn_compat.plan(FACTS, gdn_gate_fp32=True) if r.name == "gdn_gate_fp32"]
+pytestmark = pytest.mark.skipif(_PLAN.status != "would_apply", reason=f"gdn_gate_fp32 on {MEGATRON}: {_PLAN.reason}")
+LENGTHS = [7, 1, 12]
+
+
+@pytest.fixture
+def layer(megatron_cpu, monkeypatch):
+    """fp32 but for a bf16 A_log (as under Float16Module), over megatron's init range: the gate's exp is then
+    the only bf16 step, and packed and unpacked paths agree to fp32 rounding otherwise."""
+    use_torch_l2norm(monkeypatch)
+    m = build_gdn(megatron_cpu, deterministic=True)  # the release's unpacked path runs on the CPU so
+    m.A_log = torch.nn.Parameter(torch.linspace(0.1, 2.7, m.A_log.numel()).to(torch.bfloat16))
+    return m
+
+
+def _gate(layer):
+    gen = torch.Generator().manual_seed(0)
+    alpha = torch.randn(1, 16, layer.A_log.numel(), generator=gen)
+    beta = torch.randn(1, 16, layer.A_log.numel(), generator=gen)
+    g, b = layer._compute_g_and_beta(layer.A_log, layer.dt_bias, alpha, beta)
+    want = -layer.A_log.double().exp() * F.softplus(alpha.double() + layer.dt_bias.double())  # float64
+    return g, b, want
+
+
+def test_the_release_takes_the_exp_of_a_bf16_a_log_in_bf16(layer):
+    g, _, want = _gate(layer)
+    assert g.dtype == torch.float32  # "In fp32", says its comment; the exp was bf16 all the same
+    assert ((g.double() - want) / want).abs().max() > 1e-3
+
+
+def test_patched_gate_is_fp32_and_beta_is_the_release_own(layer):
+    _, beta_release, _ = _gate(layer)
+    with gdn_compat.applied(gdn_gate_fp32=True) as report:
+        assert report["gdn_gate_fp32"].status == "applied"
+        g, beta, want = _gate(layer)
+    assert ((g.double() - want) / want).abs().max() < 1e-6
+    assert torch.equal(beta, beta_release)
+    assert "_compute_g_and_beta" not in type(layer).__dict__ or FACTS.gdn == "module"  # reverted
+
+
+def test_packed_calls_use_the_same_gate_as_unpacked_ones(layer):
+    x = torch.randn(sum(LENGTHS), 1, 64, generator=torch.Generator().manual_seed(4))
+    psp = packed(offsets(LENGTHS))
+    with gdn_compat.applied():  # gdn_thd_deterministic's packed path, release gate
+        release_pack = packed_run(layer, x, psp)[0]
+    with gdn_compat.applied(gdn_gate_fp32=True):
+        fp32_pack = packed_run(layer, x, psp)[0]
+        starts = offsets(LENGTHS)
+        fp32_alone = torch.cat([packed_run(layer, x[a:b], None)[0] for a, b in zip(starts, starts[1:])])
+    print(f"[gate] packed vs unpacked, fp32 gate: {rel(fp32_pack, fp32_alone):.1e}; release gate packed vs fp32 "
+          f"gate unpacked: {rel(release_pack, fp32_alone):.1e}")
+    assert rel(fp32_pack, fp32_alone) < 1e-5  # the packed path computes the gate the unpacked one does
+    assert rel(release_pack, fp32_alone) > 1e-4  # and that gate is not the release's
