@@ -4,15 +4,8 @@
 # path changed (chunk indices handed to fla), and benchmarks/bench_graphs.py. Resumable like h200_session.sh.
 #   DEADLINE=560 bash benchmarks/device/graphs_session.sh [STEP ...]   (default: every step)
 set -u
-T0=$(date +%s); DEADLINE=${DEADLINE:-560}
-root=$(pwd); LOGS=/tmp/logs; mkdir -p /tmp/xver
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
-export CUBLAS_WORKSPACE_CONFIG=:4096:8
-if [ ! -d /tmp/triton-cache ] && ls .tcache/tcache.tar.xz.* >/dev/null 2>&1; then
-  cat .tcache/tcache.tar.xz.* | tar -C /tmp -xJf - && echo "[plan] Triton/inductor cache restored: $(du -sh /tmp/triton-cache | cut -f1)"
-fi
-WANT=" ${*:-all} "
-source benchmarks/device/lib.sh
+T0=$(date +%s); DEADLINE=${DEADLINE:-560}; WANT=" ${*:-all} "
+source benchmarks/device/lib.sh  # environment, carried Triton cache, step/finish
 lane1() {
   step graph-0.17.1 150 $(PP 0.17.1) $PT tests/gpu/test_cuda_graph_gpu.py
   step gpu-0.17.1 150 $(PP 0.17.1) GDN_XVER_DIR=/tmp/xver $PT tests/gpu --deselect tests/gpu/test_cuda_graph_gpu.py

@@ -7,15 +7,8 @@
 # Phase A runs three lanes side by side (correctness only: tests and determinism); phase B runs the
 # benchmarks alone.
 set -u
-T0=$(date +%s); DEADLINE=${DEADLINE:-540}
-root=$(pwd); LOGS=/tmp/logs; mkdir -p /tmp/xver
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
-export CUBLAS_WORKSPACE_CONFIG=:4096:8
-if [ ! -d /tmp/triton-cache ] && ls .tcache/tcache.tar.xz.* >/dev/null 2>&1; then
-  cat .tcache/tcache.tar.xz.* | tar -C /tmp -xJf - && echo "[plan] Triton/inductor cache restored: $(du -sh /tmp/triton-cache | cut -f1)"
-fi
-WANT=" ${*:-all} "
-source benchmarks/device/lib.sh
+T0=$(date +%s); DEADLINE=${DEADLINE:-540}; WANT=" ${*:-all} "
+source benchmarks/device/lib.sh  # environment, carried Triton cache, step/finish
 # acc-*: the tests that compare releases (GDN_XVER_DIR), in order, for a call where gpu-0.17.1 ran before
 lane1() {
   step acc-0.17.1 120 $(PP 0.17.1) GDN_XVER_DIR=/tmp/xver $PT tests/gpu/test_acceptance_gpu.py tests/gpu/test_gdn_thd_gpu.py

@@ -1,7 +1,14 @@
 # Sourced by the device plans in this folder (offline device machine, wheels carried in .whl/).
-# Needs: T0, DEADLINE, LOGS, root. Optional: WANT (" step step ... " or " all ").
+# Needs: T0, DEADLINE. Sets the environment (root, LOGS default here) and unpacks a carried .tcache.
+# Optional: WANT (" step step ... " or " all ").
 # A finished step leaves /tmp/done/<step>; a step cut by the deadline does not, so a later call on the
 # same warm machine runs it again.
+root=${root:-$(pwd)}; LOGS=${LOGS:-/tmp/logs}; mkdir -p /tmp/xver
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
+if [ ! -d /tmp/triton-cache ] && ls .tcache/tcache.tar.xz.* >/dev/null 2>&1; then  # a carried Triton cache
+  cat .tcache/tcache.tar.xz.* | tar -C /tmp -xJf - && echo "[plan] Triton/inductor cache restored: $(du -sh /tmp/triton-cache | cut -f1)"
+fi
 mkdir -p /tmp/done "$LOGS"
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 for v in 0.16.1 0.17.1 0.18.2 0.19.2; do
