@@ -14,22 +14,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from gdn_compat._probe import GDN_MODULE, Facts, Layout, Thd
+from gdn_compat._probe import GDN_MODULE, Facts
 from gdn_compat._registry import Patch, Target
 from gdn_compat.patches.gdn_thd import context_parallel as cpx
-from gdn_compat.patches.gdn_thd import route
+from gdn_compat.patches.gdn_thd import route, route_skip
 
 
 def decide(facts: Facts) -> str | None:
-    mc = facts.release
-    if facts.gdn in (Layout.ABSENT, Layout.UNKNOWN):
-        return f"{mc} has no GatedDeltaNet" if facts.gdn is Layout.ABSENT else "GatedDeltaNet not readable"
-    if facts.gdn_thd is Thd.REFUSES:
-        return f"{mc} GatedDeltaNet has no native THD; gdn_thd's context parallelism is fused already"
-    if facts.gdn_thd is not Thd.NATIVE or not facts.gdn_native_shape:
-        return "not patched, unknown GatedDeltaNet shape: gdn_compat routes only the 0.18/0.19 forward signature"
+    skip = route_skip(facts, "gdn_thd's context parallelism is fused already")
+    if skip:
+        return skip
     if not facts.gdn_cp_per_sequence:
-        return f"{mc} GatedDeltaNet runs packed context parallelism with one all-to-all per pack (upstream #4913)"
+        return f"{facts.release} GatedDeltaNet runs packed context parallelism with one all-to-all per pack (upstream #4913)"
     if not facts.fla_varlen.usable:
         return f"not patched: {facts.fla or 'fla'} lacks the varlen kernels packed GDN runs on"
     return None

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from gdn_compat._probe import GDN_MODULE, Accepts, Facts, Layout, Thd
+from gdn_compat._probe import GDN_MODULE, Accepts, Facts
 from gdn_compat._registry import Patch, Target
-from gdn_compat.patches.gdn_thd import route
+from gdn_compat.patches.gdn_thd import route, route_skip
 
 
 def decide(facts: Facts) -> str | None:
-    mc = facts.release
-    if facts.gdn in (Layout.ABSENT, Layout.UNKNOWN):
-        return f"{mc} has no GatedDeltaNet" if facts.gdn is Layout.ABSENT else "GatedDeltaNet not readable"
-    if facts.gdn_thd is Thd.REFUSES:
-        return f"{mc} GatedDeltaNet has no native THD; gdn_thd's packed path covers deterministic mode there"
+    skip = route_skip(facts, "gdn_thd's packed path covers deterministic mode there")
+    if skip:
+        return skip
     if facts.gdn_thd_deterministic is not Accepts.NO:
         return f"not patched: {facts.notes.get('gdn_thd_deterministic', 'unknown GatedDeltaNet shape')}"
     return None

@@ -16,20 +16,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from gdn_compat._probe import GDN_MODULE, Facts, Layout, Thd
+from gdn_compat._probe import GDN_MODULE, Facts
 from gdn_compat._registry import Patch, Target
-from gdn_compat.patches.gdn_thd import route
+from gdn_compat.patches.gdn_thd import route, route_skip
 
 
 def decide(facts: Facts) -> str | None:
-    mc = facts.release
-    if facts.gdn in (Layout.ABSENT, Layout.UNKNOWN):
-        return f"{mc} has no GatedDeltaNet" if facts.gdn is Layout.ABSENT else "GatedDeltaNet not readable"
-    if facts.gdn_thd is Thd.REFUSES:
-        return f"{mc} GatedDeltaNet has no native THD; gdn_thd's packed path is graph-safe there"
-    if facts.gdn_thd is not Thd.NATIVE or not facts.gdn_native_shape:
-        return (f"not patched, unknown GatedDeltaNet shape: {facts.notes.get('gdn_thd', facts.gdn_thd)}; gdn_compat "
-                f"routes only the 0.18/0.19 forward signature and helpers")
+    skip = route_skip(facts, "gdn_thd's packed path is graph-safe there")
+    if skip:
+        return skip
     if not facts.fla_varlen.graph_safe:
         return (f"not patched: {facts.fla or 'fla'} takes no chunk indices (chunk_gated_delta_rule "
                 f"{facts.fla_varlen.rule_chunks}, its forward/backward {facts.fla_varlen.rule_inner}, causal_conv1d "

@@ -30,7 +30,7 @@ from gdn_compat.patches.gdn_thd import context_parallel as cpx
 from gdn_compat.patches.gdn_thd.kernels import Core, local_view
 from gdn_compat.patches.gdn_thd.pack import PACKS, Pack, pack_for, rows_pack
 
-__all__ = ["PACKS", "PATCH", "pack_of", "packed_forward", "route"]
+__all__ = ["PACKS", "PATCH", "pack_of", "packed_forward", "route", "route_skip"]
 
 
 def decide(facts: Facts) -> str | None:
@@ -99,6 +99,20 @@ def pack_of(layer: Any, hidden_states: torch.Tensor, psp: Any, cp: int) -> Pack:
         raise ValueError(f"gdn_compat: with context parallel size {cp} the sequence length must be divisible "
                          f"by 2 x cp = {2 * cp}; got {total} ({local} local tokens)")
     return rows_pack(total, batch, cp, hidden_states.device)
+
+
+def route_skip(facts: Facts, legacy: str) -> str | None:
+    """Why a route of the 0.18/0.19 native forward through this packed path does not apply here (None: it
+    may); ``legacy`` says what gdn_thd itself covers on a release without native THD."""
+    mc = facts.release
+    if facts.gdn in (Layout.ABSENT, Layout.UNKNOWN):
+        return f"{mc} has no GatedDeltaNet" if facts.gdn is Layout.ABSENT else "GatedDeltaNet not readable"
+    if facts.gdn_thd is Thd.REFUSES:
+        return f"{mc} GatedDeltaNet has no native THD; {legacy}"
+    if facts.gdn_thd is not Thd.NATIVE or not facts.gdn_native_shape:
+        return (f"not patched, unknown GatedDeltaNet shape: {facts.notes.get('gdn_thd', facts.gdn_thd)}; gdn_compat "
+                f"routes only the 0.18/0.19 forward signature and helpers")
+    return None
 
 
 def route(facts: Facts, original: Any, takes: Callable[[Any], bool]) -> Any:
