@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+
+# Without a GPU, gdn_compat's fused Triton kernels run in Triton's interpreter on CPU tensors; the switch is
+# read when a kernel is defined, so it is set before anything imports Triton (fla, megatron, gdn_compat).
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 
