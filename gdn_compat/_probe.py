@@ -153,6 +153,9 @@ class Facts:
     fla_varlen: Varlen = Varlen()
     fla_atomic_free: Accepts = Accepts.ABSENT  # YES: the fla code packed GDN runs has no atomics / scatter-adds
     fla_blackwell_wy_guard: Accepts = Accepts.ABSENT  # prepare_wy_repr_bwd autotune restricted on Blackwell (fla PR #1000)
+    fla_flashqla_backend: Accepts = Accepts.ABSENT  # fla routes its delta rule to FlashQLA by itself (fla #998, >= 0.5.2)
+    flashqla: Dist | None = None  # flash-qla, read from its metadata (importing it needs CUDA and tilelang)
+    flashqla_atomic_free: Accepts = Accepts.ABSENT  # FlashQLA's source has no atomics (read from its files)
     gdn: Layout = Layout.ABSENT
     gdn_file: str | None = None
     gdn_thd: Thd = Thd.ABSENT
@@ -445,6 +448,7 @@ def _probe_fla(out: dict[str, Any]) -> None:
                                    conv_chunks=accepts(conv, "chunk_indices"))
         out["fla_atomic_free"], out["notes"]["fla_atomic_free"] = atomic_free(rule, conv)
         out["fla_blackwell_wy_guard"] = _blackwell_wy_guard()
+        out["fla_flashqla_backend"] = _fla_flashqla_backend()
         return
     unknown = Accepts.UNKNOWN
     out["fla_varlen"] = Varlen(unknown, unknown, unknown, unknown)
@@ -525,6 +529,34 @@ def atomic_free(*entry_points: Any, prefix: str = "fla") -> tuple[Accepts, str]:
     return Accepts.YES, f"{len(seen)} modules read, none has atomics or scatter-adds"
 
 
+def _probe_flashqla(out: dict[str, Any]) -> None:
+    """FlashQLA without importing it (its import initialises CUDA and asks tilelang for the GPU): the version,
+    and whether its source files hold atomics (each kernel then sums in a fixed order)."""
+    out["flashqla"] = found = _dist("flash-qla", "flash_qla")
+    if found is None:
+        return
+    try:
+        files = [f for f in md.distribution(found.name).files or () if str(f).endswith(".py")]
+        hits = sorted({h for f in files for h in _ATOMIC.findall(f.read_text() or "")})
+    except Exception as exc:  # noqa: BLE001 - unreadable: nothing proves it atomic-free
+        out["flashqla_atomic_free"] = Accepts.UNKNOWN
+        out["notes"]["flashqla_atomic_free"] = f"FlashQLA's files not readable: {_why(exc)}"
+        return
+    out["flashqla_atomic_free"] = Accepts.NO if hits or not files else Accepts.YES
+    out["notes"]["flashqla_atomic_free"] = (f"{len(files)} files read; " + (f"atomics: {', '.join(hits)}" if hits
+                                            else "none has atomics or scatter-adds"))
+
+
+def _fla_flashqla_backend() -> Accepts:
+    """fla >= 0.5.2 dispatches chunk_gated_delta_rule to FlashQLA whenever flash_qla imports (fla #998)."""
+    import importlib.util
+
+    try:
+        return Accepts.YES if importlib.util.find_spec("fla.ops.gated_delta_rule.backends.flash_qla") else Accepts.NO
+    except Exception:  # noqa: BLE001 - no such package: no such backend
+        return Accepts.NO
+
+
 def _probe_gpu(out: dict[str, Any], torch: Any, init_cuda: bool) -> None:
     try:
         if not torch.cuda.is_available():
@@ -554,6 +586,7 @@ def probe(*, init_cuda: bool = False) -> Facts:
     out["rocm"] = getattr(torch.version, "hip", None)
     _probe_gpu(out, torch, init_cuda)
     _probe_fla(out)
+    _probe_flashqla(out)
     out["megatron"] = _dist("megatron-core", "megatron_core")
     try:
         import megatron.core as mcore
@@ -577,7 +610,8 @@ def probe(*, init_cuda: bool = False) -> Facts:
 def _facts(out: dict[str, Any]) -> Facts:
     enums = {"gdn": Layout, "gdn_thd": Thd, "gdn_cp": Cp, "gdn_conv": Conv, "mtp": Mtp, "mtp_roll": Roll,
              "gdn_init_cp_comm_type": Accepts, "gdn_backward_dw": Accepts, "gdn_out_norm_tp_sum": Accepts, "gdn_thd_deterministic": Accepts,
-             "fla_atomic_free": Accepts, "fla_blackwell_wy_guard": Accepts}
+             "fla_atomic_free": Accepts, "fla_blackwell_wy_guard": Accepts, "fla_flashqla_backend": Accepts,
+             "flashqla_atomic_free": Accepts}
     for field, kind in enums.items():
         if field in out:
             out[field] = kind(out[field])

@@ -67,7 +67,7 @@ class Patch:
     decide: Callable[[Facts], str | None]
     build: Callable[[Facts, Any], Any]
     summary: str
-    requires: tuple[str, ...] = ()
+    requires: tuple[str, ...] | Callable[[Facts], tuple[str, ...]] = ()  # or decided from the facts
     opt_in: bool = False
     adds: bool = False  # the target is a method the release lacks: added, and deleted again on revert
 
@@ -197,7 +197,7 @@ class Registry:
             if patch.opt_in:
                 return record("skipped", patch.decide(facts) or f"{facts.release}: {off[patch.name]}")
             return record("skipped", off[patch.name])
-        for need in patch.requires:
+        for need in patch.requires(facts) if callable(patch.requires) else patch.requires:
             dep = earlier.get(need)
             if dep is None or dep.status not in ("applied", "would_apply"):
                 return record("skipped", f"needs {need}, which is {dep.status if dep else 'unknown'}"

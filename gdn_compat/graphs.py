@@ -143,9 +143,9 @@ def _require_graph_safe_gdn() -> None:
     import gdn_compat
 
     applied = set(gdn_compat.report().applied)
-    if not applied & {"gdn_thd", "gdn_thd_graph_safe"}:
+    if not applied & {"gdn_thd", "gdn_thd_graph_safe", "gdn_fused", "gdn_flashqla"}:
         raise RuntimeError("gdn_compat.graphs.PackBuffer needs gdn_compat's packed GDN path applied first: "
                            "gdn_compat.apply() on megatron-core 0.16/0.17 (gdn_thd), "
-                           "gdn_compat.apply(gdn_thd_graph_safe=True) on 0.18/0.19 (their native THD reads "
-                           f"the offsets on the host and cannot be captured, upstream #6796); applied now: "
-                           f"{sorted(applied) or 'none'}")
+                           "gdn_compat.apply(gdn_thd_graph_safe=True) or apply(gdn_fused=True) on 0.18/0.19 (their "
+                           "native THD reads the offsets on the host and cannot be captured, upstream #6796); "
+                           f"applied now: {sorted(applied) or 'none'}")

@@ -24,9 +24,9 @@ def _facts():
 FACTS = _facts()  # the release as installed, before any apply()
 
 
-def skip_reason(patch: str) -> str | None:
-    """None when ``apply()`` would apply ``patch`` on this release, else the plan's reason to skip."""
+def skip_reason(patch: str, **switches: bool) -> str | None:
+    """None when ``apply(**switches)`` would apply ``patch`` on this release, else the plan's reason to skip."""
     import gdn_compat
 
-    [rec] = [r for r in gdn_compat.plan(FACTS) if r.name == patch]
+    [rec] = [r for r in gdn_compat.plan(FACTS, **switches) if r.name == patch]
     return None if rec.status == "would_apply" else f"{patch} not applied on megatron-core {MEGATRON}: {rec.reason}"

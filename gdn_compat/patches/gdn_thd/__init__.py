@@ -25,12 +25,14 @@ from typing import Any
 import torch
 
 from gdn_compat._probe import GDN_MODULE, Cp, Facts, Layout, Thd
-from gdn_compat._registry import Patch, Target
+from gdn_compat._registry import MARKER, Patch, Target
 from gdn_compat.patches.gdn_thd import context_parallel as cpx
+from gdn_compat.patches.gdn_thd import fast
+from gdn_compat.patches.gdn_thd.fast import Fast
 from gdn_compat.patches.gdn_thd.kernels import Core, local_view
 from gdn_compat.patches.gdn_thd.pack import PACKS, Pack, pack_for, rows_pack
 
-__all__ = ["PACKS", "PATCH", "pack_of", "packed_forward", "route", "route_skip"]
+__all__ = ["PACKS", "PATCH", "carrier_skip", "fast_below", "needs_gdn_thd", "pack_of", "packed_forward", "route", "route_skip"]
 
 
 def decide(facts: Facts) -> str | None:
@@ -71,16 +73,22 @@ def packed_forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pa
     total = seq * rows
     hv = loc.v // loc.dv  # shapes spelled out: a -1 is ambiguous for an empty pack
     qkvzba = qkvzba.transpose(0, 1).reshape(1, total, 2 * loc.qk + 2 * loc.v + 2 * hv)
-    qkv, gate, beta, alpha = torch.split(qkvzba, [2 * loc.qk + loc.v, loc.v, hv, hv], dim=-1)
-    gate = gate.reshape(1, total, hv, loc.dv)
-    beta = beta.reshape(1, total, hv)
-    alpha = alpha.reshape(1, total, hv)
-    if total:
-        out, gate = core(layer, loc, qkv, gate, beta, alpha, pack, total)
-    else:  # an empty pack: an empty output, and zero (not missing) grads for every parameter
-        unused = loc.conv_w.sum() + loc.A_log.sum() + loc.dt_bias.sum()
-        out = gate + 0 * (unused if loc.conv_b is None else unused + loc.conv_b.sum())
-    norm_out = layer._apply_gated_norm(out, gate)
+    region, why = core.region_core(layer, loc, qkvzba[0], pack) if total and core.fast.fused else (None, "off")
+    if region is not None:  # gdn_fused: the whole region in gdn_compat's kernels
+        norm_out = core.region(layer, loc, qkvzba[0], pack, region)
+    else:
+        if why != "off":
+            fast.note("gdn_fused", str(why))
+        qkv, gate, beta, alpha = torch.split(qkvzba, [2 * loc.qk + loc.v, loc.v, hv, hv], dim=-1)
+        gate = gate.reshape(1, total, hv, loc.dv)
+        beta = beta.reshape(1, total, hv)
+        alpha = alpha.reshape(1, total, hv)
+        if total:
+            out, gate = core(layer, loc, qkv, gate, beta, alpha, pack, total)
+        else:  # an empty pack: an empty output, and zero (not missing) grads for every parameter
+            unused = loc.conv_w.sum() + loc.A_log.sum() + loc.dt_bias.sum()
+            out = gate + 0 * (unused if loc.conv_b is None else unused + loc.conv_b.sum())
+        norm_out = layer._apply_gated_norm(out, gate)
     norm_out = norm_out.reshape(rows, seq, loc.v).transpose(0, 1).contiguous()  # no -1: 0 tokens
     if pack.inverse is not None:
         norm_out = cpx.hp2cp(norm_out, pack.inverse, group, cp)
@@ -95,7 +103,7 @@ def pack_of(layer: Any, hidden_states: torch.Tensor, psp: Any, cp: int) -> Pack:
             raise ValueError(f"gdn_compat THD: packed input must be [tokens, 1, hidden], got batch {batch} "
                              f"(hidden_states shape {tuple(hidden_states.shape)})")
         return pack_for(psp, total, hidden_states.device, cp)
-    if total % (2 * cp):
+    if cp > 1 and total % (2 * cp):
         raise ValueError(f"gdn_compat: with context parallel size {cp} the sequence length must be divisible "
                          f"by 2 x cp = {2 * cp}; got {total} ({local} local tokens)")
     return rows_pack(total, batch, cp, hidden_states.device)
@@ -115,22 +123,72 @@ def route_skip(facts: Facts, legacy: str) -> str | None:
     return None
 
 
-def route(facts: Facts, original: Any, takes: Callable[[Any], bool]) -> Any:
-    """A replacement for a 0.18/0.19 native-THD ``GatedDeltaNet.forward`` that runs this packed path for
-    the packed calls (``qkv_format='thd'``, no inference context) of layers ``takes(layer)`` selects, and
-    the release's ``original`` for every other call. The one wrapper behind gdn_compat's native routes."""
-    core = Core(sys.modules[original.__module__], facts.fla_varlen, facts.fla_atomic_free)
+FAST = "_gdn_compat_fast"  # the opt-in paths a route's core takes (gdn_flashqla, gdn_fused)
 
-    @functools.wraps(original)
-    def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
-                sequence_len_offset=None, *, inference_params=None, **kwargs):
-        packed = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
-        if packed and inference_context is None and inference_params is None and takes(self):
-            cp = cpx.size_of(self)
-            return packed_forward(self, core, hidden_states, pack_of(self, hidden_states, packed_seq_params, cp), cp)
-        return original(self, hidden_states, attention_mask, inference_context, packed_seq_params,
-                        sequence_len_offset, inference_params=inference_params, **kwargs)
 
+def fast_below(original: Any) -> Fast:
+    """The opt-in paths of the gdn_compat routes already installed under ``original`` (they combine)."""
+    found, func = Fast(), original
+    while getattr(func, MARKER, None):
+        below = getattr(func, FAST, None) or Fast()
+        found = Fast(found.flashqla or below.flashqla, found.fused or below.fused,
+                     found.flashqla_deterministic or below.flashqla_deterministic)
+        func = getattr(func, "__wrapped__", None)
+    return found
+
+
+def carrier_skip(facts: Facts) -> str | None:
+    """Why gdn_compat's packed path cannot carry an opt-in path (gdn_flashqla, gdn_fused) on this release: on
+    0.16/0.17 what gdn_thd needs (and those patches require gdn_thd), on 0.18/0.19 the native shape."""
+    if facts.gdn_thd is Thd.REFUSES:
+        return decide(facts)
+    return route_skip(facts, "")
+
+
+def needs_gdn_thd(facts: Facts) -> tuple[str, ...]:
+    """``requires`` of a route: gdn_thd on a release without native THD (it is the packed path there)."""
+    return ("gdn_thd",) if facts.gdn_thd is Thd.REFUSES else ()
+
+
+def route(facts: Facts, original: Any, takes: Callable[[Any], bool], paths: Fast = fast.NONE) -> Any:
+    """A replacement for ``GatedDeltaNet.forward`` that runs this packed path for the packed calls
+    (``qkv_format='thd'``, no inference context) of layers ``takes(layer)`` selects, and ``original`` for every
+    other call: the one wrapper behind gdn_compat's routes. ``original`` is the 0.18/0.19 native-THD forward
+    (or a route over it), or on 0.16/0.17 gdn_thd's replacement (or a route over it); the wrapper has that
+    release's signature. ``paths`` (and those of routes underneath) choose the core's opt-in paths."""
+    below = fast_below(original)
+    paths = Fast(paths.flashqla or below.flashqla, paths.fused or below.fused,
+                 paths.flashqla_deterministic or below.flashqla_deterministic)
+    core = Core(sys.modules[original.__module__], facts.fla_varlen, facts.fla_atomic_free, paths)
+
+    def packed(self, hidden_states, packed_seq_params, inference_context, inference_params) -> bool:
+        return (packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
+                and inference_context is None and inference_params is None and takes(self))
+
+    def run(self, hidden_states, packed_seq_params):
+        cp = cpx.size_of(self)
+        return packed_forward(self, core, hidden_states, pack_of(self, hidden_states, packed_seq_params, cp), cp)
+
+    if facts.gdn_thd is Thd.REFUSES:  # 0.16/0.17: the legacy signature, gdn_thd underneath
+        @functools.wraps(original)
+        def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                    attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
+                    inference_params=None, **kwargs):
+            if packed(self, hidden_states, packed_seq_params, inference_context, inference_params):
+                return run(self, hidden_states, packed_seq_params)
+            return original(self, hidden_states, attention_mask, key_value_states, inference_context,
+                            attention_bias, packed_seq_params, sequence_len_offset,
+                            inference_params=inference_params, **kwargs)
+    else:
+        @functools.wraps(original)
+        def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
+                    sequence_len_offset=None, *, inference_params=None, **kwargs):
+            if packed(self, hidden_states, packed_seq_params, inference_context, inference_params):
+                return run(self, hidden_states, packed_seq_params)
+            return original(self, hidden_states, attention_mask, inference_context, packed_seq_params,
+                            sequence_len_offset, inference_params=inference_params, **kwargs)
+
+    setattr(forward, FAST, paths)
     return forward
 
 

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 from gdn_compat._probe import Accepts, Varlen
 from gdn_compat.patches.gdn_thd import context_parallel as cpx
+from gdn_compat.patches.gdn_thd import fast
+from gdn_compat.patches.gdn_thd.fast import Fast
 from gdn_compat.patches.gdn_thd.pack import Pack
 
 
@@ -80,6 +82,18 @@ def prepare_qkv(qkv, gate, beta, alpha, seq_len: int, qk_local: int, v_local: in
             beta.contiguous(), alpha.contiguous())
 
 
+def _spans(pack: Pack) -> tuple[tuple[int, int], ...]:
+    """The pack's non-empty sequences, for the per-sequence torch core."""
+    if pack.cu_cpu is not None:
+        return pack.spans
+    if pack.cu.is_cuda:  # a device pack: its offsets are host memory only on the CPU
+        raise RuntimeError("gdn_compat THD: this packed GDN call runs the per-sequence torch core "
+                           "(deterministic_mode with fla kernels that use atomics), which reads the offsets "
+                           "on the host: it cannot be captured in a CUDA graph")
+    bounds = pack.cu.tolist()
+    return tuple((a, b) for a, b in zip(bounds, bounds[1:]) if b > a)
+
+
 @functools.lru_cache(maxsize=1)
 def _fused() -> tuple[Any, Any]:
     # 0.18/0.19 run both steps through megatron's jit_fuser (torch.compile), and torch.compile
@@ -121,7 +135,7 @@ def local_view(layer: Any, cp: int, rank: int) -> Local:
 class Core:
     """The two ways to run the packed core, bound to one release module and one fla."""
 
-    def __init__(self, release: Any, varlen: Varlen, atomic_free: Accepts = Accepts.UNKNOWN):
+    def __init__(self, release: Any, varlen: Varlen, atomic_free: Accepts = Accepts.UNKNOWN, paths: Fast = fast.NONE):
         self.release = release  # its torch_chunk_gated_delta_rule and l2norm are read at call time
         # 0.16-0.18 import fla's l2norm into the GDN module; 0.19 into the package's common.py, where
         # its torch_chunk_gated_delta_rule lives
@@ -129,6 +143,7 @@ class Core:
         self.l2norm_home = release if hasattr(release, "l2norm") or rule is None else sys.modules[rule.__module__]
         self.varlen = varlen
         self.fla_deterministic = atomic_free is Accepts.YES
+        self.fast = paths  # the opt-in paths (gdn_flashqla, gdn_fused) this core may take
 
     @staticmethod
     def gate(layer: Any, own: Any) -> Any:
@@ -177,32 +192,75 @@ class Core:
         return extra
 
     def __call__(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int):
-        if qkv.is_cuda and (self.fla_deterministic or not layer.config.deterministic_mode):
-            return self.fla(layer, loc, qkv, gate, beta, alpha, pack, total)
+        """The unfused core: (delta-rule output, gate z) for the split input projection."""
+        qla = self._flashqla(layer, loc, qkv, pack)
+        if qkv.is_cuda and (self.fla_deterministic or not layer.config.deterministic_mode or qla is None):
+            return self.fla(layer, loc, qkv, gate, beta, alpha, pack, total, qla is None)
         return self.torch(layer, loc, qkv, gate, beta, alpha, pack)
 
-    def fla(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int):
+    def _flashqla(self, layer: Any, loc: Local, x: torch.Tensor, pack: Pack) -> str | None:
+        why = fast.flashqla_skip(self.fast, layer, loc, x, pack)
+        if why not in (None, "off"):
+            fast.note("gdn_flashqla", str(why))
+        return why
+
+    def fla(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int, flashqla: bool = False):
         if layer.activation not in ("silu", "swish"):
             raise ValueError(f"gdn_compat THD: fla's causal_conv1d supports silu/swish, got activation "
                              f"{layer.activation!r}")
         qkv = self.conv(layer, loc, qkv, pack)
         prepare, gb = _fused()
         query, key, value, gate, beta, alpha = prepare(
-            qkv, gate, beta, alpha, total, loc.qk, loc.v, loc.dk, loc.dv, loc.repeat, bool(layer.use_qk_l2norm),
-            self.l2norm_home.l2norm,
+            qkv, gate, beta, alpha, total, loc.qk, loc.v, loc.dk, loc.dv, 1 if flashqla else loc.repeat,
+            bool(layer.use_qk_l2norm), self.l2norm_home.l2norm,
         )
         g, beta = self.gate(layer, gb)(loc.A_log, loc.dt_bias, alpha, beta)
-        return self.rule(query, key, value, g, beta, pack), gate
+        rule = fast.flashqla_rule if flashqla else self.rule
+        return rule(query, key, value, g, beta, pack), gate
+
+    def region_core(self, layer: Any, loc: Local, x: torch.Tensor, pack: Pack) -> tuple[Any, str | None]:
+        """(the delta-rule core of a fused region call, None) or (None, why this call cannot take the fused
+        region); the region's own conditions are ``fast.fused_skip``'s."""
+        why = fast.fused_skip(self.fast, layer, loc, x)
+        if why is not None:
+            return None, why
+        from gdn_compat.fused import cores
+
+        if self._flashqla(layer, loc, x, pack) is None:
+            return cores.FlashQlaCore(fast.flashqla(), fast.flashqla_cu(pack)), None
+        if not x.is_cuda:  # Triton's interpreter on the CPU: the release's torch rule, one sequence at a time
+            return cores.TorchCore(self.release.torch_chunk_gated_delta_rule, _spans(pack)), None
+        if layer.config.deterministic_mode and not self.fla_deterministic:
+            return None, "deterministic_mode, and the installed fla's delta-rule kernels use atomics"
+        if self.varlen.rule_inner is not Accepts.YES:
+            return None, (f"the installed fla's chunk_gated_delta_rule_fwd/_bwd do not take the region's arguments "
+                          f"({self.varlen.rule_inner})")
+        from fla.ops.gated_delta_rule import chunk as fla_chunk
+
+        assert pack.chunks is not None  # every pack carries its chunk indices
+        return cores.FlaCore(fla_chunk.chunk_gated_delta_rule_fwd, fla_chunk.chunk_gated_delta_rule_bwd, pack.cu,
+                             pack.chunks), None
+
+    def region(self, layer: Any, loc: Local, x: torch.Tensor, pack: Pack, core: Any) -> torch.Tensor:
+        """gdn_compat's fused region over ``x`` ``[T, F]`` (the input projection's output): ``[T, v]``, the
+        output projection's input."""
+        from gdn_compat.fused.region import Spec, region, token_bounds
+
+        found = fast.out_norm(layer)
+        assert not isinstance(found, str), found  # fused_skip checked it
+        weight, eps, zero_centered = found
+        spec = Spec(hk=loc.qk // loc.dk, hv=loc.v // loc.dv, dk=loc.dk, dv=loc.dv, l2norm=bool(layer.use_qk_l2norm),
+                    norm_eps=eps, zero_centered=zero_centered, core=core)
+        key = ("token_bounds", x.shape[0])
+        bounds = pack.memo.get(key) if pack.cu_cpu is not None else None  # a device pack is never cached
+        if bounds is None:
+            bounds = token_bounds(pack.cu, x.shape[0])
+            if pack.cu_cpu is not None:
+                pack.memo[key] = bounds
+        return region(x, loc.conv_w, loc.conv_b, loc.A_log, loc.dt_bias, weight, bounds, spec)
 
     def torch(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack):
-        spans = pack.spans
-        if pack.cu_cpu is None:  # a device pack: its offsets are host memory only on the CPU
-            if pack.cu.is_cuda:
-                raise RuntimeError("gdn_compat THD: this packed GDN call runs the per-sequence torch core "
-                                   "(deterministic_mode with fla kernels that use atomics), which reads the offsets "
-                                   "on the host: it cannot be captured in a CUDA graph")
-            bounds = pack.cu.tolist()
-            spans = tuple((a, b) for a, b in zip(bounds, bounds[1:]) if b > a)
+        spans = _spans(pack)
         g, beta = self.gate(layer, g_and_beta)(loc.A_log, loc.dt_bias, alpha, beta)
         outs = []
         width = loc.conv_w.shape[-1]

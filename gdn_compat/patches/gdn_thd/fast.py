@@ -1,0 +1,152 @@
+"""The packed core's two opt-in fast paths, and the one place that decides, per call, whether a call takes them.
+
+* ``flashqla`` (patch ``gdn_flashqla``): the delta rule through FlashQLA's TileLang kernels (flash-qla >= 0.1.3)
+  with q/k not repeated (FlashQLA takes grouped value heads); everything else stays the release's kernels.
+* ``fused`` (patch ``gdn_fused``): gdn_compat's own Triton kernels for the region between the input
+  projection and the delta rule and between the delta rule and the output projection (``gdn_compat.fused``),
+  around whichever delta-rule core applies (FlashQLA's when ``flashqla`` is on too, else fla's).
+
+A call that cannot take a path keeps the default one, and the reason is logged once per process (INFO on the
+``gdn_compat`` logger). Two cases are errors instead, because no fallback could be silent there: FlashQLA
+under CUDA-graph capture or with a ``PackBuffer`` (it sizes its kernels by a chunk count read on the host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from gdn_compat.patches.gdn_thd.pack import Pack
+
+log = logging.getLogger("gdn_compat")
+FLASHQLA_GPUS = ((9, 0), (10, 0), (10, 3))  # the sm90 / sm100 / sm103 kernels with a backward
+_said: set[tuple[str, str]] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Fast:
+    flashqla: bool = False
+    fused: bool = False
+    flashqla_deterministic: bool = False  # the probe found FlashQLA's source free of atomics
+
+    def __bool__(self) -> bool:
+        return self.flashqla or self.fused
+
+
+NONE = Fast()  # the default paths only
+
+def note(path: str, reason: str) -> None:
+    """Log once per process that a call did not take ``path``, and why."""
+    if (path, reason) not in _said:
+        _said.add((path, reason))
+        log.info("%s not used for a packed GDN call: %s; it runs the default path", path, reason)
+
+
+@functools.lru_cache(maxsize=1)
+def flashqla() -> Any:
+    import flash_qla  # needs CUDA and tilelang at import; imported on the first call that could use it
+
+    return flash_qla
+
+
+CAPTURE_REFUSAL = ("gdn_compat gdn_flashqla: FlashQLA sizes its kernels by the pack's chunk count, read on the host, "
+                   "so a packed GDN step through it cannot be captured in a CUDA graph that replays other layouts (nor "
+                   "take offsets from a gdn_compat.graphs.PackBuffer); apply(gdn_flashqla=False) for a captured step")
+
+
+def flashqla_skip(fast: Fast, layer: Any, loc: Any, x: torch.Tensor, pack: Pack) -> str | None:
+    """None when this call's delta rule runs through FlashQLA, else why not (logged by the caller)."""
+    if not fast.flashqla:
+        return "off"
+    if pack.cu_cpu is None and x.is_cuda:
+        raise RuntimeError(CAPTURE_REFUSAL)
+    if not x.is_cuda:
+        return "FlashQLA needs a CUDA tensor"
+    capability = tuple(torch.cuda.get_device_capability(x.device))
+    if capability not in FLASHQLA_GPUS:
+        return f"FlashQLA's kernels with a backward are for sm90/sm100/sm103, this GPU is sm_{capability[0]}{capability[1]}"
+    if loc.dk != 128 or loc.dv != 128:
+        return f"FlashQLA needs key and value head dims of 128, this layer has {loc.dk} and {loc.dv}"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"FlashQLA needs bf16 or fp16 activations, got {x.dtype}"
+    if layer.config.deterministic_mode and not fast.flashqla_deterministic:
+        return "deterministic_mode, and FlashQLA's source was not found free of atomics"
+    try:
+        flashqla()
+    except Exception as exc:  # noqa: BLE001 - an unusable install is a reason, not a crash
+        return f"flash_qla failed to import: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+def flashqla_cu(pack: Pack) -> torch.Tensor:
+    """A device copy of the pack's offsets that only FlashQLA sees, with its chunk metadata attached from the
+    host offsets (no device-to-host read in its kernels' launches). Kept for the pack's lifetime: FlashQLA
+    caches by tensor identity, so it must never see a tensor whose values change."""
+    key = ("flashqla_cu",)
+    if key not in pack.memo:
+        assert pack.cu_cpu is not None
+        host = pack.cu_cpu.to(torch.int64)  # FlashQLA documents LongTensor offsets
+        cu = host.to(pack.cu.device)
+        try:
+            from flash_qla.utils.index import prepare_varlen_metadata
+        except ImportError:  # an older layout: FlashQLA computes the metadata itself (one host read per pack)
+            pass
+        else:
+            cu = prepare_varlen_metadata(cu, host)
+        pack.memo[key] = cu
+    return pack.memo[key]
+
+
+def flashqla_rule(query, key, value, g, beta, pack: Pack):
+    """FlashQLA's public delta rule over the pack (q/k with the layer's key heads: no repeat)."""
+    out, _ = flashqla().chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None,
+                                               output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                               cu_seqlens=flashqla_cu(pack), auto_cp=False)
+    return out
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def out_norm(layer: Any) -> tuple[torch.Tensor, float, bool] | str:
+    """(weight, eps, zero_centered) of the layer's output RMSNorm, or why the fused norm does not know it."""
+    norm, dv = layer.out_norm, layer.value_head_dim
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (dv,):
+        return f"out_norm {type(norm).__qualname__} has no weight of shape ({dv},)"
+    if isinstance(norm, torch.nn.RMSNorm):
+        eps = norm.eps if norm.eps is not None else torch.finfo(weight.dtype).eps
+        return weight, float(eps), False
+    te = type(norm).__module__.startswith("transformer_engine") and type(norm).__name__ == "RMSNorm"
+    if te and isinstance(getattr(norm, "eps", None), float):
+        return weight, norm.eps, bool(getattr(norm, "zero_centered_gamma", False))
+    return (f"out_norm is a {type(norm).__module__}.{type(norm).__qualname__}; the fused gated norm knows "
+            f"torch.nn.RMSNorm and Transformer Engine's RMSNorm")
+
+
+def fused_skip(fast: Fast, layer: Any, loc: Any, x: torch.Tensor) -> str | None:
+    """None when this call's region runs through gdn_compat's fused kernels, else why not."""
+    if not fast.fused:
+        return "off"
+    from gdn_compat import fused
+
+    why = fused.unavailable()
+    if why:
+        return why
+    if not x.is_cuda and not fused.interpreted():
+        return "the fused kernels need a CUDA tensor (or Triton's interpreter: TRITON_INTERPRET=1)"
+    if layer.activation not in ("silu", "swish"):
+        return f"the fused conv applies SiLU, this layer's activation is {layer.activation!r}"
+    if not (_pow2(loc.dk) and _pow2(loc.dv) and loc.dk <= 256 and loc.dv <= 256):
+        return f"the fused kernels need power-of-2 head dims up to 256, this layer has {loc.dk} and {loc.dv}"
+    if loc.conv_w.shape[-1] > 8:
+        return f"the fused conv handles widths up to 8, this layer's is {loc.conv_w.shape[-1]}"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"the fused kernels take bf16, fp16 or fp32, got {x.dtype}"
+    found = out_norm(layer)
+    return found if isinstance(found, str) else None
