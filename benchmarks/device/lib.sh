@@ -5,6 +5,7 @@
 # same warm machine runs it again.
 root=${root:-$(pwd)}; LOGS=${LOGS:-/tmp/logs}; mkdir -p /tmp/xver
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+export TILELANG_CACHE_DIR=/tmp/tilelang-cache  # FlashQLA's TileLang kernels compile here on first use
 export CUBLAS_WORKSPACE_CONFIG=:4096:8
 if [ ! -d /tmp/triton-cache ] && ls .tcache/tcache.tar.xz.* >/dev/null 2>&1; then  # a carried Triton cache
   cat .tcache/tcache.tar.xz.* | tar -C /tmp -xJf - && echo "[plan] Triton/inductor cache restored: $(du -sh /tmp/triton-cache | cut -f1)"
@@ -15,6 +16,8 @@ for v in 0.16.1 0.17.1 0.18.2 0.19.2; do
   [ -d /tmp/mc-$v ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mc-$v .whl/megatron_core-$v-*.whl
 done
 [ -d /tmp/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .whl/fla_core-*.whl
+QSITE=""  # the optional FlashQLA stack (../shared/gpu/fetch-flashqla.sh): on PYTHONPATH after fla
+if [ -f .whl/flashqla-site.tar.xz ]; then [ -d /tmp/qsite ] || tar xJf .whl/flashqla-site.tar.xz -C /tmp; QSITE=":/tmp/qsite"; fi
 step() {  # step NAME MIN_SECONDS ENV... COMMAND...
   local name=$1 min=$2; shift 2
   [ -e /tmp/done/$name ] && return 0
@@ -27,7 +30,7 @@ step() {  # step NAME MIN_SECONDS ENV... COMMAND...
   echo "$rc" > /tmp/done/$name
   echo "[plan] done $name rc=$rc in $(( $(date +%s) - s ))s"
 }
-PP() { echo "PYTHONPATH=$root:/tmp/mc-$1:${2:-/tmp/fla}"; }  # PP VERSION [FLA_DIR]
+PP() { echo "PYTHONPATH=$root:/tmp/mc-$1:${2:-/tmp/fla}$QSITE"; }  # PP VERSION [FLA_DIR]
 PT="python3 -m pytest -q -s -rs -p no:cacheprovider -W ignore"
 finish() {  # finish GREP_PATTERN: the matching log lines, the steps' exit codes, logs/JSON/Triton cache to $OUT
   echo; (cd $LOGS && grep -H "$1" *.log | grep -v "warnings.warn\|^\S*:\s*$" | cut -c1-400 | head -150)
@@ -36,7 +39,7 @@ finish() {  # finish GREP_PATTERN: the matching log lines, the steps' exit codes
   for f in $LOGS/*.log; do echo "===== $(basename $f)"; cat $f; done > $OUT/all-logs.txt
   tar -C $LOGS -cf $OUT/json.tar $(cd $LOGS && ls *.json 2>/dev/null) 2>/dev/null
   if [ "${SAVE_CACHE:-1}" = 1 ]; then  # for the next fresh machine: at most 4 parts of 15 MiB
-    tar -C /tmp -cf - triton-cache inductor-cache 2>/dev/null | xz -T0 -2 | split -b 15M -a 1 - $OUT/tcache.tar.xz.
+    tar -C /tmp -cf - triton-cache inductor-cache tilelang-cache 2>/dev/null | xz -T0 -2 | split -b 15M -a 1 - $OUT/tcache.tar.xz.
     n=$(ls $OUT/tcache.tar.xz.* | wc -l); [ "$n" -le 4 ] || { echo "[plan] cache too big ($n parts): not kept"; rm -f $OUT/tcache.tar.xz.*; }
   fi
 }

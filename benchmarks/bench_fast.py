@@ -1,0 +1,245 @@
+"""gdn_fused and gdn_flashqla against the release's default path (#30): one GDN layer at Qwen3-Next size, bf16,
+forward + backward, and bench_graphs' 8-layer stack. One process; the configurations are interleaved round by
+round (each round: every configuration, median of --steps steps), so clocks and thermals hit them alike.
+
+    python -m benchmarks.bench_fast [--rounds 3] [--steps 5] [--json FILE] [--no-stack]   (repository root)
+
+Per configuration and pack (16k = design.md's 9 sequences, rl = 16 sequences, 8,393 tokens):
+* wall: eager forward + backward, CUDA events, median over rounds of each round's median;
+* GPU kernel time per step from torch.profiler, by kind (GEMMs, delta rule, fla conv, gdn_compat's fused
+  kernels, l2norm, copies, other);
+* first call: seconds for the first forward + backward of that configuration in the process (compiles);
+* activation bytes per token: the storages autograd saved in one forward, counted once each;
+* peak memory of one layer at 64k tokens above the inputs.
+Stack: 8-layer GDN + SwiGLU GPTModel, rl budget (10,240 tokens, a new random layout every step): default eager
+vs gdn_fused in one CUDA-graph capture replayed for every layout, and each fast configuration eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import statistics
+import time
+
+import torch
+
+from tests.support.gdn import DESIGN_LENGTHS, QWEN3_NEXT, RL_LENGTHS, build_gdn, offsets, packed
+
+PACKS = {"16k": DESIGN_LENGTHS, "rl": RL_LENGTHS}
+CONFIGS = {"default": {}, "fused": {"gdn_fused": True}, "flashqla": {"gdn_flashqla": True},
+           "fused+flashqla": {"gdn_fused": True, "gdn_flashqla": True}}
+KINDS = (("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_")),
+         ("fused (gdn_compat)", ("_conv_fwd", "_conv_bwd", "_gate_fwd", "_gate_bwd", "_norm_fwd", "_norm_bwd")),
+         ("conv (fla)", ("causal_conv1d",)),
+         ("delta rule", ("chunk", "wy_repr", "solve_tril", "recompute_w_u", "kkt", "gdr", "tilelang", "group_reduce",
+                         "cumsum", "fwd_h", "dhu", "dqkwg", "bwd_dv", "fwd_o")),
+         ("l2norm", ("l2norm", "l2_norm")),
+         ("copies", ("copy", "Copy", "Cat", "cat_", "memcpy", "Memcpy", "index")))
+
+
+def kind(name: str) -> str:
+    for label, keys in KINDS:
+        if any(k in name for k in keys):
+            return label
+    return "other"
+
+
+def _psp(lengths):
+    psp = packed(offsets(lengths))
+    psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda()
+    return psp
+
+
+def timed(step, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernels(step, steps: int = 3) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    by_kind: dict = collections.Counter()
+    top: dict = collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            by_kind[kind(ev.name)] += us / 1000 / steps
+            top[ev.name[:60]] += us / 1000 / steps
+    total = sum(by_kind.values())
+    return {"total": round(total, 3), **{k: round(v, 3) for k, v in sorted(by_kind.items())},
+            "top": {k: round(v, 3) for k, v in top.most_common(12)}}
+
+
+def saved_bytes_per_token(layer, x, psp) -> float:
+    seen: dict = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x, None, packed_seq_params=psp)[0]
+    del out
+    return sum(seen.values()) / x.shape[0]
+
+
+def layer_rows(rounds: int, steps: int, configs: dict) -> dict:
+    import gdn_compat
+
+    layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=0, **QWEN3_NEXT)
+    data = {}
+    for name, lengths in PACKS.items():
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(sum(lengths), 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
+        data[name] = (x.requires_grad_(True), _psp(lengths))
+
+    def step_of(pack):
+        x, psp = data[pack]
+
+        def step():
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            layer(x, None, packed_seq_params=psp)[0].sum().backward()
+        return step
+
+    rows: dict = {c: {"first_call_s": None, "packs": {p: {"wall": []} for p in PACKS}} for c in configs}
+    for cfg, switches in configs.items():  # first calls, in this order, each in this fresh process
+        with gdn_compat.applied(**switches):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step_of("16k")()
+            torch.cuda.synchronize()
+            rows[cfg]["first_call_s"] = round(time.perf_counter() - t0, 1)
+            for pack in PACKS:
+                step_of(pack)()  # warm every shape
+    for _ in range(rounds):
+        for cfg, switches in configs.items():
+            with gdn_compat.applied(**switches):
+                for pack in PACKS:
+                    rows[cfg]["packs"][pack]["wall"].append(timed(step_of(pack), steps))
+    for cfg, switches in configs.items():
+        with gdn_compat.applied(**switches):
+            for pack in PACKS:
+                r = rows[cfg]["packs"][pack]
+                r["wall_ms"] = round(statistics.median(r.pop("wall")), 3)
+                r["kernels_ms"] = kernels(step_of(pack))
+                x, psp = data[pack]
+                r["saved_bytes_per_token"] = round(saved_bytes_per_token(layer, x, psp))
+    for cfg in configs:
+        for pack in PACKS:
+            base = rows["default"]["packs"][pack]["wall_ms"]
+            rows[cfg]["packs"][pack]["speedup"] = round(base / rows[cfg]["packs"][pack]["wall_ms"], 3)
+    return rows
+
+
+def peak_rows(configs: dict, tokens: int = 65536) -> dict:
+    import gdn_compat
+
+    layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=0, **QWEN3_NEXT)
+    lengths = [tokens - 4096 - 8192, 8192, 4096]
+    x = torch.randn(tokens, 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    psp = _psp(lengths)
+    out = {}
+    for cfg, switches in configs.items():
+        with gdn_compat.applied(**switches):
+            def step():
+                layer.zero_grad(set_to_none=True)
+                x.grad = None
+                layer(x, None, packed_seq_params=psp)[0].sum().backward()
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            out[cfg] = {"peak_mib": round((torch.cuda.max_memory_allocated() - base) / 2**20),
+                        "wall_ms": round(timed(step, 3), 2)}
+    return out
+
+
+def stack_rows(reps: int, configs: dict) -> dict:
+    import gdn_compat
+    from benchmarks.bench_graphs import STACK_SHAPE, rows_for
+    from tests.support import model as M
+
+    model = M.build(M.config(shape=STACK_SHAPE, bf16=True, layers=8), seed=0, device="cuda")
+    rows = {}
+    for cfg, switches in configs.items():
+        graphed = cfg == "fused"  # FlashQLA refuses capture; the default path on 0.18/0.19 is native (host reads)
+        with gdn_compat.applied(**switches):
+            got = rows_for(model, "rl", reps, graphed)
+        rows.update({f"{cfg}: {k}": v for k, v in got.items()})
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--no-stack", action="store_true")
+    ap.add_argument("--no-peak", action="store_true")
+    args = ap.parse_args()
+    from torch._dynamo import config as dynamo_config
+
+    from tests.support.megatron import world
+
+    setattr(dynamo_config, "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit", 64)
+    configs = {k: CONFIGS[k] for k in args.configs.split(",")}
+    result: dict = {}
+    with world(cuda=True):
+        import gdn_compat
+
+        facts = gdn_compat.probe(init_cuda=True)
+        if facts.flashqla is None:
+            configs = {k: v for k, v in configs.items() if "gdn_flashqla" not in v}
+        result["layer"] = layer_rows(args.rounds, args.steps, configs)
+        _print_layer(result["layer"])
+        if not args.no_peak:
+            result["peak_64k"] = peak_rows(configs)
+            print("one layer at 64k tokens:", json.dumps(result["peak_64k"]))
+        if not args.no_stack:
+            with contextlib.suppress(torch.cuda.OutOfMemoryError):
+                result["stack"] = stack_rows(20, configs)
+            for k, v in result.get("stack", {}).items():
+                print(f"  {k:<70} {v['ms']:>8.2f} ms")
+    mc = facts.megatron.version if facts.megatron else None
+    result.update({"megatron_core": mc, "fla": str(facts.fla), "flashqla": str(facts.flashqla), "torch": torch.__version__,
+                   "gpu": torch.cuda.get_device_name(), "packs": PACKS})
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+def _print_layer(rows: dict) -> None:
+    print(f"{'config':<16}{'pack':<6}{'wall ms':>9}{'x':>7}{'kernels':>9}{'first s':>9}{'B/token':>9}  by kind")
+    for cfg, r in rows.items():
+        for pack, p in r["packs"].items():
+            k = {a: b for a, b in p["kernels_ms"].items() if a not in ("total", "top")}
+            print(f"{cfg:<16}{pack:<6}{p['wall_ms']:>9.2f}{p['speedup']:>6.2f}x{p['kernels_ms']['total']:>9.2f}"
+                  f"{r['first_call_s']:>9}{p['saved_bytes_per_token']:>9}  {k}")
+
+
+if __name__ == "__main__":
+    main()

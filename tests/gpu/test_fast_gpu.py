@@ -1,0 +1,189 @@
+"""gdn_fused and gdn_flashqla on a GPU (#30): numerics against an fp32 truth, determinism, CUDA-graph replay.
+
+Truth: the same layer's weights in fp32, ``deterministic_mode`` (the release's pure-torch conv and chunked delta
+rule: no TF32, no Triton), every sequence alone. Bar: each of output, input grad and every parameter grad of
+a fast configuration is no farther from the truth than the release's default packed bf16 path is (native THD on
+0.18/0.19, gdn_thd on 0.16/0.17, which is bitwise native 0.19.2), ratio <= 1.1. Every fast configuration must
+really run (no "not used" line in the log). Speed is in benchmarks/bench_fast.py, not here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import gdn_compat
+from tests.support.gdn import DESIGN_LENGTHS, QWEN3_NEXT, RL_LENGTHS, build_gdn, offsets, packed, packed_run, rel
+from tests.support.release import FACTS, MEGATRON
+
+EDGES = [1, 63, 64, 65, 127, 128, 129, 0, 500, 1, 0, 2]  # length-1, chunk edges, zero-length entries
+PACKS = {"edges": EDGES, "16k": DESIGN_LENGTHS}
+CONFIGS = {"fused": {"gdn_fused": True}, "flashqla": {"gdn_flashqla": True},
+           "fused+flashqla": {"gdn_fused": True, "gdn_flashqla": True}}
+NOT_USED = "not used for a packed GDN call"
+
+
+def _flashqla_missing() -> str | None:
+    if FACTS.flashqla is None:
+        return "flash-qla is not installed"
+    try:
+        import flash_qla  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"flash_qla does not import: {exc}"
+    return None
+
+
+def _config(name: str) -> dict:
+    if "flashqla" in name and _flashqla_missing():
+        pytest.skip(str(_flashqla_missing()))
+    return CONFIGS[name]
+
+
+@pytest.fixture(autouse=True)
+def recompile_limit(monkeypatch, megatron_cpu):
+    assert megatron_cpu == "cuda"
+    if FACTS.gdn_thd not in ("native", "refuses"):
+        pytest.skip(f"megatron-core {MEGATRON} has no GatedDeltaNet")
+    from torch._dynamo import config
+
+    monkeypatch.setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", 64)
+
+
+def _psp(lengths):
+    psp = packed(offsets(lengths))
+    psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda()
+    return psp
+
+
+def _as_dict(run) -> dict:
+    out, dx, grads = run
+    return {"out": out, "dx": dx, **grads}
+
+
+@pytest.fixture(scope="module")
+def truth():
+    """{pack: (layer, x, dy, fp32 truth)}, the truth computed once per pack."""
+    layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=3, **QWEN3_NEXT)
+    ref = build_gdn(device="cuda", dtype=torch.float32, deterministic=True, seed=3, **QWEN3_NEXT)
+    ref.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                         for k, v in layer.state_dict().items()})
+    out = {}
+    for name, lengths in PACKS.items():
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        x = torch.randn(sum(lengths), 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
+        dy = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        cu = offsets(lengths)
+        ref.zero_grad(set_to_none=True)
+        outs, dxs = [], []
+        for a, b in zip(cu, cu[1:]):
+            if b == a:
+                continue
+            xi = x[a:b].float().detach().requires_grad_(True)
+            oi = ref(xi, None)[0]
+            oi.backward(dy[a:b].float())
+            outs.append(oi.detach())
+            dxs.append(xi.grad)
+        out[name] = (layer, x, dy, {"out": torch.cat(outs), "dx": torch.cat(dxs),
+                                    **{n: p.grad.detach().clone() for n, p in ref.named_parameters()}})
+    return out
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_no_farther_from_fp32_truth_than_the_default_bf16_path(truth, pack, config, caplog):
+    switches = _config(config)
+    layer, x, dy, want = truth[pack]
+    with gdn_compat.applied():  # zero-length entries dropped: native 0.19.2 returned NaN with them (H200, fla 0.4.2)
+        default = _as_dict(packed_run(layer, x, _psp([n for n in PACKS[pack] if n]), dy))
+    with caplog.at_level(logging.INFO, logger="gdn_compat"), gdn_compat.applied(**switches) as report:
+        assert all(report[n].status == "applied" for n in switches), report
+        fast = _as_dict(packed_run(layer, x, _psp(PACKS[pack]), dy))
+    assert NOT_USED not in caplog.text, caplog.text
+    lines, worst = [], 0.0
+    for name in want:
+        e_default, e_fast = rel(default[name], want[name]), rel(fast[name], want[name])
+        ratio = e_fast / max(e_default, 1e-12)
+        worst = max(worst, ratio)
+        lines.append(f"  {name:<20} default {e_default:.2e}  {config} {e_fast:.2e}  ratio {ratio:.3f}")
+    print(f"\n[fast-numerics {MEGATRON} {pack} {config}] relative L2 error to the fp32 truth (worst ratio "
+          f"{worst:.3f}):\n" + "\n".join(lines))
+    for name in want:
+        assert rel(fast[name], want[name]) <= 1.1 * rel(default[name], want[name]) + 1e-6, name
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic_mode"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_five_runs_are_bitwise_identical(config, deterministic, caplog):
+    switches = _config(config)
+    layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=5, deterministic=deterministic, **QWEN3_NEXT)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(sum(RL_LENGTHS), 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn_like(x)
+    with caplog.at_level(logging.INFO, logger="gdn_compat"), gdn_compat.applied(**switches):
+        runs = [_as_dict(packed_run(layer, x, _psp(RL_LENGTHS), dy)) for _ in range(5)]
+    assert NOT_USED not in caplog.text, caplog.text
+    differ = sorted({k for r in runs[1:] for k in r if not torch.equal(r[k], runs[0][k])})
+    print(f"\n[fast-determinism {MEGATRON} {config} {'deterministic_mode' if deterministic else 'default'}] "
+          f"5 runs: {'bitwise identical' if not differ else f'differ in {differ}'}")
+    assert not differ
+
+
+LAYOUTS = {  # as tests/gpu/test_cuda_graph_gpu.py: one budget, six layouts
+    "rl pack": RL_LENGTHS,
+    "one sequence fills the pack": [sum(RL_LENGTHS)],
+    "length-1 sequences": [1] * 8 + [3000, 3000, sum(RL_LENGTHS) - 6008],
+    "empty entries in the middle": [700, 0, 1500, 0, 0, 2000, sum(RL_LENGTHS) - 4200],
+    "chunk edges": [1, 63, 64, 65, 127, 128, 129, 640, sum(RL_LENGTHS) - 1217],
+    "rl pack again": RL_LENGTHS,
+}
+
+
+def test_one_capture_through_the_fused_region_replays_every_layout_bitwise_eager(caplog):
+    T = sum(RL_LENGTHS)
+    layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=2, **QWEN3_NEXT)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    xs = [torch.randn(T, 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
+          for _ in LAYOUTS]
+    dy = torch.randn(T, 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
+    with caplog.at_level(logging.INFO, logger="gdn_compat"), gdn_compat.applied(gdn_fused=True):
+        buf = gdn_compat.graphs.PackBuffer(T, 16, device="cuda")
+        buf.load(offsets(RL_LENGTHS))
+        sx = xs[0].clone().requires_grad_(True)
+
+        def step():
+            layer.zero_grad(set_to_none=True)
+            sx.grad = None
+            out = layer(sx, None, packed_seq_params=buf.params)[0]
+            out.backward(dy)
+            return out
+
+        graph, out = gdn_compat.graphs.capture(step)
+        static = {"out": out, "dx": sx.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+        lines = []
+        for (name, lengths), x in zip(LAYOUTS.items(), xs):
+            buf.load(offsets(lengths))
+            with torch.no_grad():
+                sx.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            replay = {k: v.detach().clone() for k, v in static.items()}
+            eager = _as_dict(packed_run(layer, x, buf.params, dy))
+            differ = sorted(k for k in eager if not torch.equal(replay[k], eager[k]))
+            lines.append(f"  {name:<30} replay vs eager: {'bitwise' if not differ else differ}")
+            assert not differ, (name, differ)
+    assert NOT_USED not in caplog.text, caplog.text
+    print(f"\n[fast-graph {MEGATRON}] one capture of a packed GDN layer through gdn_fused:\n" + "\n".join(lines))
+
+
+def test_flashqla_refuses_a_capture_with_a_clear_error():
+    _config("flashqla")
+    T = sum(RL_LENGTHS)
+    layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=2, **QWEN3_NEXT)
+    x = torch.randn(T, 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16)
+    with gdn_compat.applied(gdn_flashqla=True):
+        buf = gdn_compat.graphs.PackBuffer(T, 16, device="cuda")
+        buf.load(offsets(RL_LENGTHS))
+        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+            layer(x, None, packed_seq_params=buf.params)
