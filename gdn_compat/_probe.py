@@ -242,6 +242,16 @@ def _probe_gdn(out: dict[str, Any]) -> None:
     out["gdn_file"] = getattr(defining, "__file__", None)
     out["gdn_init_cp_comm_type"] = accepts(cls.__init__, "cp_comm_type")
     out["gdn_backward_dw"] = Accepts.YES if callable(getattr(cls, "backward_dw", None)) else Accepts.NO
+    if out["gdn_backward_dw"] is Accepts.YES:  # where it comes from: the release's class, or something else
+        home = next((c for c in cls.__mro__ if "backward_dw" in c.__dict__), cls)
+        func = getattr(home.__dict__["backward_dw"], "__wrapped__", home.__dict__["backward_dw"])
+        code = getattr(func, "__code__", None)
+        home_file = getattr(sys.modules.get(home.__module__), "__file__", None)
+        own = home.__module__.startswith(GDN_MODULE) and code is not None and code.co_filename == home_file
+        out["notes"]["gdn_backward_dw"] = (
+            f"the release's own, defined by {home.__qualname__} in {home.__module__}" if own else
+            f"not the release's: defined by {home.__module__}.{home.__qualname__} "
+            f"({getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', '?')})")
     try:
         params = tuple(inspect.signature(cls.forward).parameters)
         src, cls_src = inspect.getsource(cls.forward), inspect.getsource(cls)

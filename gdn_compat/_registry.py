@@ -259,6 +259,9 @@ class Registry:
                 if now is new:
                     _restore(owner, attr, old)
                     rec = Record(name, target, "reverted", "original restored")
+                elif patch.adds:  # nothing of ours is underneath what is there now
+                    rec = Record(name, target, "left_in_place", f"replaced after apply by {describe(now)}; "
+                                 f"gdn_compat's added {attr} is no longer there, and what replaced it stays")
                 else:
                     rec = Record(name, target, "left_in_place", f"replaced after apply by {describe(now)}; "
                                  f"gdn_compat's replacement stays underneath it")

@@ -74,3 +74,54 @@ def test_an_unknown_linear_without_backward_dw_is_an_error_naming_it(layer, monk
     with gdn_compat.applied():
         with pytest.raises(AttributeError, match="GatedDeltaNet.out_proj is a Linear without backward_dw"):
             layer.self_attention.backward_dw()
+
+
+def test_a_backward_dw_from_elsewhere_in_a_subclass_mro_keeps_precedence(layer):
+    gdn = type(layer.self_attention)
+    calls = []
+
+    class Mixin:
+        def backward_dw(self):
+            calls.append("mixin")
+
+    class MyGDN(gdn, Mixin):
+        pass
+
+    mine = MyGDN.__new__(MyGDN)  # no constructor needed to resolve a method
+    with gdn_compat.applied() as report:
+        assert report["gdn_backward_dw"].status == "applied"
+        mine.backward_dw()
+        assert calls == ["mixin"]  # not the added method, which would raise on this bare object
+        assert MyGDN.backward_dw is Mixin.__dict__["backward_dw"]
+        assert gdn.backward_dw.__name__ == "backward_dw" and gdn.backward_dw.__module__ == "gdn_compat.patches.gdn_backward_dw"
+
+
+def test_a_backward_dw_that_is_not_the_release_own_is_not_credited_to_upstream():
+    import dataclasses
+
+    from gdn_compat._probe import Accepts
+    from gdn_compat.patches import gdn_backward_dw
+
+    own = dataclasses.replace(FACTS, gdn_backward_dw=Accepts.YES, notes={"gdn_backward_dw": "the release's own, defined by GatedDeltaNet in x"})
+    other = dataclasses.replace(FACTS, gdn_backward_dw=Accepts.YES,
+                                notes={"gdn_backward_dw": "not the release's: defined by mylib.Base (mylib.Base.backward_dw)"})
+    assert "#2997" in gdn_backward_dw.decide(own)
+    reason = gdn_backward_dw.decide(other)
+    assert "#2997" not in reason and "mylib.Base" in reason
+
+
+def test_reverting_after_someone_replaced_the_added_method_says_nothing_of_ours_is_underneath(layer):
+    gdn = type(layer.self_attention)
+    gdn_compat.apply()
+    try:
+        def theirs(self):
+            return None
+
+        gdn.backward_dw = theirs
+        [rec] = [r for r in gdn_compat.revert() if r.name == "gdn_backward_dw"]
+        assert rec.status == "left_in_place"
+        assert "stays underneath" not in rec.reason and "is no longer there" in rec.reason
+    finally:
+        if "backward_dw" in gdn.__dict__:
+            del gdn.backward_dw
+        gdn_compat.revert()

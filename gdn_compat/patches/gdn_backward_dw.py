@@ -27,7 +27,10 @@ def decide(facts: Facts) -> str | None:
     if facts.gdn is Layout.ABSENT:
         return f"{mc} has no GatedDeltaNet"
     if facts.gdn_backward_dw is Accepts.YES:
-        return f"{mc} GatedDeltaNet already has backward_dw (upstream #2997)"
+        where = facts.notes.get("gdn_backward_dw", "")
+        if where.startswith("the release's own"):
+            return f"{mc} GatedDeltaNet already has backward_dw (upstream #2997, 0.17.0)"
+        return f"{mc} GatedDeltaNet already has a backward_dw: {where or 'not its own'}; not patched"
     if facts.gdn_backward_dw is not Accepts.NO:
         return f"not patched: GatedDeltaNet not readable ({facts.notes.get('gdn', facts.gdn)})"
     return None
@@ -49,13 +52,35 @@ def _backward_dw_of(layer: Any, name: str) -> None:
                              f"without backward_dw; cannot tell whether its weight gradient was deferred")
 
 
-def build(facts: Facts, original: Any) -> Any:
-    def backward_dw(self) -> None:
-        """Execute weight gradient computation for all linear layers (as 0.17's, upstream #2997)."""
-        _backward_dw_of(self, "in_proj")
-        _backward_dw_of(self, "out_proj")
+def backward_dw(self) -> None:
+    """Execute weight gradient computation for all linear layers (as 0.17's, upstream #2997)."""
+    _backward_dw_of(self, "in_proj")
+    _backward_dw_of(self, "out_proj")
 
-    return backward_dw
+
+class AddedMethod:
+    """``GatedDeltaNet.backward_dw`` as a descriptor that never shadows a ``backward_dw`` from elsewhere in an
+    instance's MRO: Python reaches it only when no class before GatedDeltaNet defines one; it then returns the
+    first definition after GatedDeltaNet (``class MyGDN(GatedDeltaNet, Mixin)`` keeps ``Mixin.backward_dw``),
+    and the added method only where there is none."""
+
+    def __init__(self, owner: type, func: Any):
+        self.owner, self.func = owner, func
+        self.__doc__, self.__wrapped__ = func.__doc__, func
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        cls = objtype if objtype is not None else type(obj)
+        mro = cls.__mro__
+        later = mro[mro.index(self.owner) + 1:] if self.owner in mro else ()
+        found = next((c.__dict__["backward_dw"] for c in later if "backward_dw" in c.__dict__), None)
+        target = self.func if found is None else found
+        return target if obj is None else target.__get__(obj, cls)
+
+
+def build(facts: Facts, original: Any) -> Any:
+    import importlib
+
+    return AddedMethod(importlib.import_module(GDN_MODULE).GatedDeltaNet, backward_dw)
 
 
 PATCH = Patch(
