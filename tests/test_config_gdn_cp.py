@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import traceback
 
 import pytest
@@ -53,6 +54,8 @@ def test_every_other_check_still_runs_and_points_at_the_release_source(bad, matc
     frame = traceback.extract_tb(err.value.__traceback__)[-1]
     assert frame.filename == release.__file__ and frame.name == "__post_init__"
     assert frame.line and frame.line.startswith("assert")  # the release's own line, by its line number
+    text = linecache.getline(frame.filename, frame.lineno)
+    assert frame.colno == len(text) - len(text.lstrip()), (frame.colno, text)  # and its own column: carets line up
 
 
 def test_without_gdn_thd_the_assertion_stays():

@@ -49,7 +49,17 @@ def _gdn_cp_asserts(func: ast.FunctionDef) -> list[tuple[list[ast.stmt], ast.Ass
 
 
 def _parse(func: Any) -> tuple[ast.Module, ast.FunctionDef]:
-    tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+    """The function's own AST with the release's positions: lines as in its file (set by ``build``), and
+    columns shifted back by the indentation ``dedent`` removed, so traceback carets point where they did."""
+    source = inspect.getsource(func)
+    dedented = textwrap.dedent(source)
+    indent = len(source) - len(source.lstrip()) - (len(dedented) - len(dedented.lstrip()))
+    tree = ast.parse(dedented)
+    for node in ast.walk(tree):
+        if hasattr(node, "col_offset") and node.col_offset is not None:
+            node.col_offset += indent
+        if getattr(node, "end_col_offset", None) is not None:
+            node.end_col_offset += indent
     node = tree.body[0]
     if not isinstance(node, ast.FunctionDef):
         raise TypeError(f"{func.__qualname__} is not a plain function")
