@@ -28,17 +28,31 @@ _NAMES = tuple(p.name for p in PATCHES)
 _OPT_IN = frozenset(p.name for p in PATCHES if p.opt_in)
 _registry = Registry(PATCHES)
 _warned: set[Finding] = set()
+_warned_switches: set[tuple[str, str, str]] = set()
+
+
+def _OPT_IN_OFF(off: dict[str, str]) -> set[str]:
+    """Opt-in patches that are off only because nobody switched them on (no warning for those)."""
+    return {n for n in _OPT_IN if off.get(n, "").startswith("opt-in, off by default")}
 
 
 def apply(*, force: Iterable[str] = (), **switches: bool) -> Report:
     """Apply every patch this megatron-core needs, once, in a fixed order. ``apply(gdn_thd=False)`` or
     ``GDN_COMPAT_DISABLE=gdn_thd,...`` turns patches off; opt-in patches are on only with
-    ``apply(gdn_thd_graph_safe=True)`` or ``GDN_COMPAT_ENABLE=gdn_thd_graph_safe``. A target that is no longer the release's
-    own object (another library replaced it) is skipped with the reason, unless named in ``force``.
-    Thread-safe, idempotent."""
+    ``apply(gdn_thd_graph_safe=True)`` or ``GDN_COMPAT_ENABLE=gdn_thd_graph_safe``. ``GDN_COMPAT_DISABLE`` wins over
+    both (a kill switch that needs no code change); ``apply(x=False)`` wins over ``GDN_COMPAT_ENABLE``. A switch
+    does not undo a patch applied earlier in the process (a warning says so): ``revert()`` does. A target that is
+    no longer the release's own object (another library replaced it) is skipped with the reason, unless named in
+    ``force``. Thread-safe, idempotent."""
     forced = _forced(force)
     facts = probe()
-    _registry.apply(facts, switches_from(_NAMES, switches, _OPT_IN), forced)
+    off = switches_from(_NAMES, switches, _OPT_IN)
+    for name in sorted(set(off) & {n for n in _NAMES if _registry.is_applied(n)} - set(_OPT_IN_OFF(off))):
+        if ("switched-off", name, off[name]) not in _warned_switches:  # once per process and switch
+            _warned_switches.add(("switched-off", name, off[name]))
+            log.warning("%s is already applied in this process; %s does not undo it: gdn_compat.revert() (or the "
+                        "gdn_compat.applied() context) does", name, off[name])
+    _registry.apply(facts, off, forced)
     result = _report(facts)
     for finding in result.findings:  # after the patch decisions, once per process
         if finding.severity != "info" and finding not in _warned:

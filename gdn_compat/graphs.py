@@ -15,12 +15,14 @@ eager warm-up, in capture and in replay alike::
 
 ``load()`` is where bad offsets are refused, with a clear error, before any kernel runs. A pack with
 fewer tokens than the budget must be padded to it (``pad_to(cu_seqlens, tokens)`` appends a padding
-sequence whose labels the caller masks). Needs gdn_compat's packed GDN: ``gdn_thd`` on 0.16/0.17, the
-opt-in ``gdn_thd_graph_safe`` on 0.18/0.19.
+sequence whose labels the caller masks; ``pad_to(real, tokens, padded=slots)`` for a padded pack). Needs
+gdn_compat's packed GDN: ``gdn_thd`` on 0.16/0.17, the opt-in ``gdn_thd_graph_safe`` or ``gdn_fused`` on 0.18/0.19.
+Context parallelism (cp > 1) cannot use a PackBuffer: its load balancing is built on the host per pack.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,27 +34,48 @@ __all__ = ["PackBuffer", "capture", "pad_to"]
 
 
 def _host_offsets(name: str, offsets: Any) -> list[int]:
+    """``offsets`` (a 1-D int32/int64 tensor, an integer numpy array or a sequence of ints) as a list of ints."""
     if isinstance(offsets, torch.Tensor):
         if offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() != 1:
             raise TypeError(f"gdn_compat.graphs: {name} must be a 1-D int32/int64 tensor or a list of ints, got "
                             f"{offsets.dtype} of shape {tuple(offsets.shape)}")
         offsets = offsets.tolist()  # a host copy: load() runs between steps, not inside a graph
+    if isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__iter__"):
+        raise TypeError(f"gdn_compat.graphs: {name} must be a 1-D int32/int64 tensor, an integer numpy array or a "
+                        f"sequence of ints, got {type(offsets).__name__}: {offsets!r}")
+    if getattr(offsets, "ndim", 1) != 1:
+        raise TypeError(f"gdn_compat.graphs: {name} must be 1-D, got shape {getattr(offsets, 'shape', '?')}")
     values = list(offsets)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise TypeError(f"gdn_compat.graphs: {name} must hold ints, got {values!r}")
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and type(v).__name__ != "bool_"
+               for v in values):
+        raise TypeError(f"gdn_compat.graphs: {name} must hold integers, got {values!r}")
+    values = [int(v) for v in values]
     if len(values) < 2 or values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"gdn_compat.graphs: {name} must start at 0, not decrease and hold at least 2 offsets; "
                          f"got {values}")
     return values
 
 
-def pad_to(cu_seqlens: Sequence[int] | torch.Tensor, tokens: int) -> list[int]:
+def pad_to(cu_seqlens: Sequence[int] | torch.Tensor, tokens: int, *,
+           padded: Sequence[int] | torch.Tensor | None = None) -> Any:
     """Offsets of a pack padded to a budget of ``tokens`` by one more sequence holding the padding. Its
-    tokens run through the model (the cost of a fixed budget); mask their labels out of the loss."""
+    tokens run through the model (the cost of a fixed budget); mask their labels out of the loss.
+
+    For a pack laid out in padded slots, pass the slots too: ``real, slots = pad_to(real, tokens, padded=slots)``
+    returns both, the padding sequence filling its slot (then ``buf.load(real, slots)``)."""
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise TypeError(f"gdn_compat.graphs.pad_to: tokens must be an int >= 0, got {tokens!r}")
     values = _host_offsets("cu_seqlens", cu_seqlens)
-    if values[-1] > tokens:
-        raise ValueError(f"gdn_compat.graphs: the pack holds {values[-1]} tokens, more than the budget {tokens}")
-    return values if values[-1] == tokens else [*values, tokens]
+    layout = values if padded is None else _host_offsets("padded", padded)
+    if layout[-1] > tokens:
+        raise ValueError(f"gdn_compat.graphs: the pack holds {layout[-1]} tokens, more than the budget {tokens}")
+    if padded is None:
+        return values if values[-1] == tokens else [*values, tokens]
+    if len(layout) != len(values):
+        raise ValueError(f"gdn_compat.graphs.pad_to: cu_seqlens has {len(values)} offsets but padded {len(layout)}")
+    if layout[-1] == tokens:
+        return values, layout
+    return [*values, values[-1] + tokens - layout[-1]], [*layout, tokens]
 
 
 class PackBuffer:
@@ -66,6 +89,9 @@ class PackBuffer:
         if not (isinstance(tokens, int) and tokens >= 0 and isinstance(max_sequences, int) and max_sequences >= 1):
             raise ValueError(f"gdn_compat.graphs.PackBuffer: tokens must be an int >= 0 and max_sequences an int "
                              f">= 1; got tokens={tokens!r}, max_sequences={max_sequences!r}")
+        if dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"gdn_compat.graphs.PackBuffer: dtype must be torch.int32 or torch.int64 (the offsets' "
+                            f"type in PackedSeqParams), got {dtype}")
         _require_graph_safe_gdn()
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -108,7 +134,8 @@ class PackBuffer:
             slots = [(b - a, d - c) for a, b, c, d in zip(real, real[1:], layout, layout[1:])]
             if any(length > slot for length, slot in slots):
                 raise ValueError(f"gdn_compat.graphs.PackBuffer: a real length exceeds its padded slot "
-                                 f"(cu_seqlens={real}, cu_seqlens_padded={layout})")
+                                 f"(cu_seqlens={real}, cu_seqlens_padded={layout}); to pad a padded pack to the budget "
+                                 f"use real, slots = gdn_compat.graphs.pad_to(real, tokens, padded=slots)")
             self._write(self.cu_seqlens_padded, layout, self.tokens)
             self._write(self.cu_seqlens, real, real[-1])
         else:
@@ -127,6 +154,9 @@ def capture(step: Callable[[], Any], warmup: int = 3) -> tuple[torch.cuda.CUDAGr
     model's forward and backward on static inputs and starts with ``model.zero_grad(set_to_none=True)``,
     so the gradients are allocated in the graph's pool and every replay overwrites them: read them after
     ``replay()`` and do not set them to None between replays."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("gdn_compat.graphs.capture: CUDA graphs need a CUDA device, and torch sees none "
+                           "(torch.cuda.is_available() is False); run the step eagerly on this machine")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

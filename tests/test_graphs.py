@@ -139,10 +139,47 @@ def test_offsets_written_past_the_api_fail_loudly_not_silently(graph_gdn):
             layer(x, None, packed_seq_params=buf.params)
 
 
-def test_a_context_parallel_pack_cannot_take_the_graph_safe_path():
+def test_a_context_parallel_pack_cannot_take_the_graph_safe_path_and_is_told_what_works():
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="context parallel size 2 cannot be captured"):
+    with pytest.raises(NotImplementedError, match="context parallel size 2") as err:
         P.device_pack({"cu_seqlens_q": cu}, 16, torch.device("cpu"), 2)
+    assert "plain PackedSeqParams" in str(err.value) and "run eagerly" not in str(err.value)
+
+
+def test_a_padded_pack_pads_to_the_budget_and_loads(graph_gdn):
+    real, slots = [0, 5, 12], [0, 8, 16]
+    got_real, got_slots = gdn_compat.graphs.pad_to(real, 32, padded=slots)
+    assert (got_real, got_slots) == ([0, 5, 12, 28], [0, 8, 16, 32])  # the padding sequence fills its slot
+    buf = gdn_compat.graphs.PackBuffer(32, 4, device=graph_gdn, padded=True)
+    buf.load(got_real, got_slots)
+    assert buf.cu_seqlens_padded.tolist() == [0, 8, 16, 32, 32]
+    with pytest.raises(ValueError, match=r"pad_to\(real, tokens, padded=slots\)"):
+        buf.load(gdn_compat.graphs.pad_to(real, 32), gdn_compat.graphs.pad_to(slots, 32))
+
+
+def test_offsets_as_numpy_integers_load_and_bad_inputs_name_themselves(graph_gdn):
+    np = pytest.importorskip("numpy")
+    buf = gdn_compat.graphs.PackBuffer(TOKENS, MAX_SEQS, device=graph_gdn)
+    buf.load(np.array([0, 100, 160], dtype=np.int64))
+    assert buf.cu_seqlens.tolist()[:3] == [0, 100, 160]
+    with pytest.raises(TypeError, match="cu_seqlens must be a 1-D .* got NoneType: None"):
+        buf.load(None)
+    with pytest.raises(TypeError, match="must hold integers"):
+        buf.load([0, 100.0, 160])
+    with pytest.raises(TypeError, match="dtype must be torch.int32 or torch.int64.*torch.float32"):
+        gdn_compat.graphs.PackBuffer(TOKENS, MAX_SEQS, device=graph_gdn, dtype=torch.float32)
+    for bad in (torch.int16, torch.bool):
+        with pytest.raises(TypeError, match="dtype must be"):
+            gdn_compat.graphs.PackBuffer(TOKENS, MAX_SEQS, device=graph_gdn, dtype=bad)
+    with pytest.raises(TypeError, match="tokens must be an int"):
+        gdn_compat.graphs.pad_to([0, 10], 160.0)
+
+
+def test_capture_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+        gdn_compat.graphs.capture(lambda: None)
 
 
 def test_the_mtp_roll_of_a_padded_packbuffer_equals_the_host_roll(graph_gdn):

@@ -158,3 +158,28 @@ def test_readme_holds_no_captured_process_output_and_no_workplace_paths():
     junk = [line for line in readme.splitlines()
             if "site-packages/" in line or "Warning:" in line or "../shared" in line or "/root/" in line]
     assert junk == [], junk[:3]
+
+
+def test_switching_off_an_applied_patch_warns_that_it_stays(caplog, monkeypatch):
+    import logging
+
+    names = [r.name for r in gdn_compat.plan() if r.status == "would_apply"]
+    if not names:
+        pytest.skip("nothing applies on this release")
+    with gdn_compat.applied():
+        with caplog.at_level(logging.WARNING, logger="gdn_compat"):
+            gdn_compat.apply(**{names[0]: False})
+        assert f"{names[0]} is already applied in this process; disabled by apply({names[0]}=False) does not undo it" \
+            in caplog.text
+        assert gdn_compat.report()[names[0]].status == "applied"
+
+
+def test_gdn_compat_disable_wins_over_enable_and_over_a_keyword(monkeypatch):
+    opt_in = [r.name for r in gdn_compat.plan() if "opt-in, off by default" in r.reason]
+    if not opt_in:
+        pytest.skip("no opt-in patch can apply on this release")
+    monkeypatch.setenv("GDN_COMPAT_ENABLE", opt_in[0])
+    monkeypatch.setenv("GDN_COMPAT_DISABLE", opt_in[0])
+    for plan in (gdn_compat.plan(), gdn_compat.plan(**{opt_in[0]: True})):
+        [rec] = [r for r in plan if r.name == opt_in[0]]
+        assert rec.status == "skipped" and "GDN_COMPAT_DISABLE" in rec.reason

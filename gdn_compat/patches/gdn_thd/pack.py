@@ -196,8 +196,10 @@ def device_pack(given: dict[str, torch.Tensor], total: int, device: torch.device
     """The graph-safe pack: every size from shapes, no host read, no cache (see the module docstring)."""
     if cp > 1:
         raise NotImplementedError(
-            f"gdn_compat THD: a packed GDN step with context parallel size {cp} cannot be captured in a CUDA graph "
-            f"(the load-balancing permutation is built on the host per pack); capture with cp = 1 or run eagerly")
+            f"gdn_compat THD: a graph-safe pack (under CUDA-graph capture, or offsets held in a "
+            f"gdn_compat.graphs.PackBuffer) is not supported with context parallel size {cp}: the load-balancing "
+            f"permutation is built on the host per pack. At cp > 1 hand the model a plain PackedSeqParams (a new one "
+            f"per step is fine) and do not capture; capture only at cp = 1")
     name = "cu_seqlens_q_padded" if "cu_seqlens_q_padded" in given else "cu_seqlens_q"
     for other in given.values():
         if other.device != device:
