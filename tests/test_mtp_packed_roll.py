@@ -156,6 +156,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+        from tests.support import suite_records
+
+        suite_records.log_imports()  # this rank's imports count for the heavy-suite records
 
 
 @pytest.fixture(scope="module")

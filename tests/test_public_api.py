@@ -55,7 +55,10 @@ IMPORT_ONLY = ("import importlib, gdn_compat\nfrom gdn_compat.patches import PAT
 @pytest.fixture(scope="module")
 def fresh_processes():
     """The two checks that need a fresh interpreter, started together (each spends ~10 s importing)."""
-    runs = {"import": [sys.executable, "-c", IMPORT_ONLY], "doctor": [sys.executable, "-m", "gdn_compat", "--json"]}
+    logged = "import atexit\nfrom tests.support import suite_records\natexit.register(suite_records.log_imports)\n"
+    doctor = "import runpy\nrunpy.run_module('gdn_compat', run_name='__main__')"
+    runs = {"import": [sys.executable, "-c", logged + IMPORT_ONLY],  # each logs its imports for the suite records
+            "doctor": [sys.executable, "-c", logged + "import sys\nsys.argv = ['gdn_compat', '--json']\n" + doctor]}
     procs = {k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for k, cmd in runs.items()}
     out = {}

@@ -43,3 +43,21 @@ def test_package_info_is_compared_without_its_version_lines(tmp_path):
     (a / "other.py").write_text("PATCH = 0\n")
     (b / "other.py").write_text("PATCH = 1\n")
     assert R.digest(a / "other.py") != R.digest(b / "other.py")  # only package_info.py is normalised
+
+
+def test_a_changed_project_file_or_another_package_version_means_no_match(records, monkeypatch):
+    import megatron.core.transformer.multi_token_prediction  # noqa: F401
+
+    import gdn_compat  # noqa: F401 - a project file to record
+
+    R.log_imports()
+    R.write_record("0.0.1")
+    assert R.earlier_identical("0.0.2") is not None
+    record = json.loads((records / "0.0.1.json").read_text())
+    assert any(f.startswith("gdn_compat/") for f in record["project"]) and "torch" in record["dists"]
+    changed = dict(record, project={**record["project"], "gdn_compat/__init__.py": "0" * 64})
+    (records / "0.0.1.json").write_text(json.dumps(changed))
+    assert R.earlier_identical("0.0.2") is None  # gdn_compat changed since that session
+    other = dict(record, dists={**record["dists"], "numpy": "0.0.0"})
+    (records / "0.0.1.json").write_text(json.dumps(other))
+    assert R.earlier_identical("0.0.2") is None  # another numpy in that session's venv

@@ -4,8 +4,9 @@ A test marked ``heavy`` (the full-model acceptance cells, multi-rank gloo tests,
 skipped in a release's session only when an earlier session of the *same nox run* ran it and every
 megatron-core file that session imported, in the test process and in every rank or subprocess it
 started, is byte-identical in this release (``package_info.py`` compared without its version lines,
-the only lines in which those files differ between patch releases). A release whose imported files
-differ in one byte runs everything. nox hands each session a fresh records folder per run
+the only lines in which those files differ between patch releases), every gdn_compat and test file it
+imported is byte-identical too, and the same distributions are installed at the same versions. A release
+whose imported files differ in one byte, or whose venv holds another version of any package, runs everything. nox hands each session a fresh records folder per run
 (``GDN_COMPAT_SUITE_RECORDS``), so a record never outlives the code that earned it. Stdlib only.
 """
 
@@ -43,40 +44,71 @@ def digest(path: pathlib.Path) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _project() -> pathlib.Path:
+    return pathlib.Path(__file__).resolve().parents[2]
+
+
+def _dists() -> dict[str, str]:
+    """Every installed distribution but megatron-core (which differs between sessions by design): name -> version."""
+    import importlib.metadata as md
+
+    out = {}
+    for dist in md.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name and name != "megatron-core":
+            out[name] = dist.version
+    return out
+
+
 def log_imports() -> None:
-    """Write the megatron-core files this process imported to the records folder (no-op without it)."""
+    """Write the megatron-core and project (gdn_compat, tests) files this process imported to the records folder
+    (no-op without it)."""
     out, root = folder(), _root()
     if out is None or root is None:
         return
-    files = sorted({str(pathlib.Path(m.__file__).relative_to(root)) for m in list(sys.modules.values())
-                    if getattr(m, "__file__", None) and str(m.__file__).startswith(str(root / "megatron"))})
+    project = _project()
+    mods = [pathlib.Path(m.__file__) for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
+    files = sorted({str(p.relative_to(root)) for p in mods if str(p).startswith(str(root / "megatron"))})
+    own = sorted({str(p.resolve().relative_to(project)) for p in mods
+                  if str(p.resolve()).startswith(str(project / "gdn_compat")) or str(p.resolve()).startswith(str(project / "tests"))})
     (out / "imports").mkdir(parents=True, exist_ok=True)
-    (out / "imports" / f"{os.getpid()}.json").write_text(json.dumps(files))
+    (out / "imports" / f"{os.getpid()}.json").write_text(json.dumps({"megatron": files, "project": own}))
 
 
 def write_record(release: str) -> int:
-    """After a session that ran the heavy suites: the files every process imported, with digests."""
+    """After a session that ran the heavy suites: the files every process imported, with digests, and the
+    installed distributions' versions."""
     out, root = folder(), _root()
     assert out is not None and root is not None
     log_imports()
     files: set[str] = set()
+    own: set[str] = set()
     for part in (out / "imports").glob("*.json"):
-        files.update(json.loads(part.read_text()))
+        logged = json.loads(part.read_text())
+        files.update(logged["megatron"])
+        own.update(logged["project"])
         part.unlink()
-    record = {"release": release, "files": {f: digest(root / f) for f in sorted(files)}}
+    project = _project()
+    record = {"release": release, "files": {f: digest(root / f) for f in sorted(files)},
+              "project": {f: digest(project / f) for f in sorted(own)}, "dists": _dists()}
     (out / f"{release}.json").write_text(json.dumps(record, indent=0))
     return len(files)
 
 
 def earlier_identical(release: str) -> tuple[str, int] | None:
-    """(release, number of files) of an earlier record whose imported files are all byte-identical here."""
+    """(release, number of megatron-core files) of an earlier record whose imported files (megatron-core's and
+    the project's) are all byte-identical here, with the same distributions installed at the same versions."""
     out, root = folder(), _root()
     if out is None or root is None:
         return None
+    project, dists = _project(), _dists()
     for path in sorted(out.glob("*.json")):
         record = json.loads(path.read_text())
         if record["release"] == release or not record["files"]:
             continue
-        if all((root / f).is_file() and digest(root / f) == d for f, d in record["files"].items()):
+        same_release = all((root / f).is_file() and digest(root / f) == d for f, d in record["files"].items())
+        same_project = all((project / f).is_file() and digest(project / f) == d
+                           for f, d in record.get("project", {}).items())
+        if same_release and same_project and record.get("dists") == dists:
             return record["release"], len(record["files"])
     return None
