@@ -1,13 +1,16 @@
-"""GDN gate precision (#22 item 5): ``-A_log.exp()`` in the parameter dtype (every release; bf16 under
-megatron's Float16Module) against the fp32 exp that HF transformers and vLLM compute. CPU is enough.
+"""GDN gate precision (#22 item 5, #27 item 1): ``-A_log.exp()`` written in the parameter dtype (every release;
+bf16 under megatron's Float16Module) against the fp32 exp that HF transformers and vLLM compute. CPU is enough.
 
-    python -m benchmarks.gate_precision [--json FILE]     (from the repository root; megatron-core 0.16/0.17)
+    python -m benchmarks.gate_precision [--json FILE]     (from the repository root)
 
-1. Per head: the relative error of the decay rate exp(A_log) over every bf16 value of A_log in megatron's
-   init range (A ~ U(1, 16), A_log = log A), and for 32 heads drawn as megatron draws them.
-2. A packed micro-batch through a 4-layer GDN GPTModel in bf16 (gdn_compat's packed path; its gate is the
-   release's expression): per-token log-probs of the labels with the release's bf16 exp and with an fp32
-   exp, against the scale of bf16 itself (the same weights run in fp32).
+1. Per head: the relative error of the decay rate exp(A_log) *evaluated eagerly* over every bf16 value of A_log
+   in megatron's init range (A ~ U(1, 16), A_log = log A), and for 32 heads drawn as megatron draws them.
+2. 0.18/0.19: the release's own ``_compute_g_and_beta`` as users run it, compiled by megatron's jit_fuser
+   (torch.compile, inductor on the CPU), and with dynamo off (eager), each against the fp64 formula.
+3. 0.16/0.17: a packed micro-batch through a 4-layer GDN GPTModel in bf16 (gdn_compat's packed path, dynamo
+   off as in the CPU suite, so its gate runs eagerly): per-token log-probs with the release's bf16 exp and
+   with an fp32 exp, against the scale of bf16 itself (the same weights run in fp32). With megatron's default
+   jit_fuser that gate is compiled and the difference is the compiled row of part 2: none to speak of.
 """
 
 from __future__ import annotations
@@ -30,6 +33,29 @@ def per_head() -> dict:
     rel_heads = ((heads.exp().float() - heads.float().exp()) / heads.float().exp()).abs()
     return {"bf16 values in range": a_log.numel(), "max rel": rel.max().item(), "median rel": rel.median().item(),
             "32 init heads: max rel": rel_heads.max().item(), "32 init heads: median rel": rel_heads.median().item()}
+
+
+def release_gate() -> dict:
+    """The release's compiled gate (dynamo on) and its eager evaluation (dynamo off), against fp64."""
+    import torch._dynamo
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    gen = torch.Generator().manual_seed(0)
+    a_log = torch.empty(32).uniform_(1, 16, generator=gen).log().to(torch.bfloat16)
+    dt = torch.randn(32, generator=gen).to(torch.bfloat16)
+    alpha, beta = torch.randn(1, 4096, 32, generator=gen), torch.randn(1, 4096, 32, generator=gen)
+    want = -a_log.double().exp() * F.softplus(alpha.double() + dt.double())
+    out = {}
+    for label, disable in (("compiled (megatron's default)", False), ("eager (dynamo off)", True)):
+        old = torch._dynamo.config.disable
+        torch._dynamo.config.disable = disable
+        try:
+            torch._dynamo.reset()
+            g, _ = GatedDeltaNet._compute_g_and_beta(None, a_log, dt, alpha, beta)
+        finally:
+            torch._dynamo.config.disable = old
+        out[f"{label}: max rel vs fp64"] = ((g.double() - want) / want).abs().max().item()
+    return out
 
 
 def model_logprobs() -> dict:
@@ -86,10 +112,19 @@ def main() -> None:
     args = ap.parse_args()
     from tests.support.megatron import world
 
-    out = {"per head": per_head()}
+    import gdn_compat
+
+    facts = gdn_compat.probe()
+    out: dict = {"megatron_core": facts.megatron.version if facts.megatron else None, "per head": per_head()}
     with world():
-        out["model"] = model_logprobs()
+        if facts.gdn_gate_method == "_compute_g_and_beta":
+            out["release gate"] = release_gate()
+        if facts.gdn_thd == "refuses":
+            out["model, dynamo off"] = model_logprobs()
     for part, rows in out.items():
+        if not isinstance(rows, dict):
+            print(f"{part}: {rows}")
+            continue
         print(part)
         for k, v in rows.items():
             print(f"  {k:<52} {v:.3g}" if isinstance(v, float) else f"  {k:<52} {v}")

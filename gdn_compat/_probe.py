@@ -162,7 +162,9 @@ class Facts:
     gdn_legacy_shape: bool = False  # the exact 0.16/0.17 forward and helpers gdn_thd relies on
     gdn_native_shape: bool = False  # the exact 0.18/0.19 native-THD forward and helpers gdn_compat's routes wrap
     gdn_cp_per_sequence: bool = False  # native packed CP runs one all-to-all per sequence (0.18; 0.19 fused, #4913)
-    gdn_gate_exp: str = "absent"  # GatedDeltaNet._compute_g_and_beta's exp of A_log: "parameter dtype", "fp32", "unknown"
+    gdn_gate_exp: str = "absent"  # the gate method's exp of A_log as written: "parameter dtype", "fp32", "unknown"
+    gdn_gate_method: str = ""  # that method: "_compute_g_and_beta" (0.18/0.19), "_compute_gates" (main), "" (inline)
+    gdn_gate_compiled: Accepts = Accepts.ABSENT  # YES: it runs through torch.compile now (megatron's jit_fuser)
     gdn_cp: Cp = Cp.ABSENT
     gdn_conv: Conv = Conv.ABSENT  # the unpacked conv of this release's GDN
     gdn_init_cp_comm_type: Accepts = Accepts.ABSENT  # GatedDeltaNet.__init__(cp_comm_type=)
@@ -293,7 +295,7 @@ def _probe_deterministic_thd(out: dict[str, Any], cls: Any, defining: Any, param
         return
     out["gdn_native_shape"] = bool(params == GDN_NATIVE_PARAMS and callable(getattr(cls, "_apply_gated_norm", None))
                                    and callable(getattr(defining, "torch_chunk_gated_delta_rule", None)))
-    out["gdn_gate_exp"] = _gate_exp(cls)
+    out["gdn_gate_exp"], out["gdn_gate_method"], out["gdn_gate_compiled"] = _gate(cls)
     # 0.18: unpacks the pack with the module's _unpack_sequence and runs an all-to-all per sequence
     out["gdn_cp_per_sequence"] = bool(callable(getattr(defining, "_unpack_sequence", None))
                                       and re.search(r"_unpack_sequence\([^)]*cp_size", src) is not None)
@@ -311,23 +313,42 @@ def _probe_deterministic_thd(out: dict[str, Any], cls: Any, defining: Any, param
 GATE_PARAMS = ("self", "A_log_local_cp", "dt_bias_local_cp", "alpha", "beta")
 
 
-def _gate_exp(cls: Any) -> str:
-    """How 0.18/0.19's ``_compute_g_and_beta`` takes the exp of ``A_log`` (0.16/0.17 compute the gate inline)."""
-    method = getattr(cls, "_compute_g_and_beta", None)
-    if method is None:
-        return "absent"
+def _compiled(method: Any) -> Accepts:
+    """Whether ``method`` runs through torch.compile as things stand: megatron's ``jit_fuser`` wrapped it, dynamo
+    is not disabled, and inductor does not emulate eager's intermediate roundings. Then a bf16 ``A_log.exp()``
+    inside it is computed in fp32 (inductor upcasts loads and rounds only at stores)."""
+    if getattr(method, "_torchdynamo_orig_callable", None) is None:
+        return Accepts.NO
     try:
-        func = getattr(method, "__wrapped__", method)
+        import torch._dynamo
+        import torch._inductor.config as inductor
+    except Exception:  # noqa: BLE001
+        return Accepts.UNKNOWN
+    if torch._dynamo.config.disable or getattr(inductor, "emulate_precision_casts", False):
+        return Accepts.NO
+    return Accepts.YES
+
+
+def _gate(cls: Any) -> tuple[str, str, Accepts]:
+    """(the exp of A_log as written, the gate method, whether it runs compiled) of the GDN class's gate method:
+    0.18/0.19 ``_compute_g_and_beta``, main's ``_compute_gates`` (returns ``(g, {'beta': ...})``); 0.16/0.17
+    compute the gate inline in ``forward``."""
+    name = next((n for n in ("_compute_g_and_beta", "_compute_gates") if getattr(cls, n, None) is not None), "")
+    if not name:
+        return "absent", "", Accepts.ABSENT
+    method = getattr(cls, name)
+    func = getattr(method, "_torchdynamo_orig_callable", None) or getattr(method, "__wrapped__", method)
+    try:
         params, src = tuple(inspect.signature(func).parameters), inspect.getsource(func)
     except (TypeError, OSError, ValueError):
-        return "unknown"
-    if params != GATE_PARAMS:
-        return "unknown"
+        return "unknown", name, _compiled(method)
+    if name == "_compute_g_and_beta" and params != GATE_PARAMS:
+        return "unknown", name, _compiled(method)
     if re.search(r"-\s*A_log_local_cp\.exp\(\)", src):
-        return "parameter dtype"
+        return "parameter dtype", name, _compiled(method)
     if re.search(r"A_log_local_cp\.float\(\)\.exp\(\)", src):
-        return "fp32"
-    return "unknown"
+        return "fp32", name, _compiled(method)
+    return "unknown", name, _compiled(method)
 
 
 def _probe_config(out: dict[str, Any]) -> None:
@@ -621,6 +642,7 @@ def _facts(out: dict[str, Any]) -> Facts:
     enums = {"gdn": Layout, "gdn_thd": Thd, "gdn_cp": Cp, "gdn_conv": Conv, "mtp": Mtp, "mtp_roll": Roll,
              "gdn_init_cp_comm_type": Accepts, "gdn_backward_dw": Accepts, "gdn_out_norm_tp_sum": Accepts, "gdn_thd_deterministic": Accepts,
              "fla_atomic_free": Accepts, "fla_blackwell_wy_guard": Accepts, "fla_flashqla_backend": Accepts,
+             "gdn_gate_compiled": Accepts,
              "flashqla_atomic_free": Accepts}
     for field, kind in enums.items():
         if field in out:

@@ -54,9 +54,11 @@ def test_gdn_context_parallel_in_the_layer_and_in_the_config():
     assert FACTS.gdn_init_cp_comm_type is expected["comm"]
 
 
-def test_the_gate_exp_runs_in_the_parameter_dtype_in_its_own_method_from_0_18():
-    want = "parameter dtype" if expected["gdn_thd"] == "native" else "absent"
-    assert FACTS.gdn_gate_exp == want
+def test_the_gate_exp_is_written_in_the_parameter_dtype_in_its_own_compiled_method_from_0_18():
+    native = expected["gdn_thd"] == "native"
+    assert FACTS.gdn_gate_exp == ("parameter dtype" if native else "absent")
+    assert FACTS.gdn_gate_method == ("_compute_g_and_beta" if native else "")
+    assert FACTS.gdn_gate_compiled == ("yes" if native else "absent")  # jit_fuser is torch.compile; dynamo on
 
 
 def test_native_packed_cp_runs_per_sequence_only_on_0_18():
