@@ -4,6 +4,7 @@
     nox -s "tests(megatron_core='0.18.2')"       # one release
     nox -s demo                                  # the CPU demo (megatron-core 0.17.1)
     nox -s compat_table                          # regenerate the README compatibility table
+    MEGATRON_SOURCE=/path/to/Megatron-LM nox -s source   # the CPU suite against a megatron source tree (upstream main)
     nox -s wheel                                 # build sdist + wheel, use the wheel from a clean venv
 
 Python 3.12 (megatron-core >= 0.17 requires it): $NOX_PYTHON312 if set, else ``python3.12`` on PATH,
@@ -51,7 +52,7 @@ PYTHON = _python312()
 # Records of which heavy suites ran on which megatron-core files, for this nox run only (tests/support/suite_records.py)
 RECORDS = tempfile.mkdtemp(prefix="gdn-compat-suites-")
 
-nox.options.sessions = ["tests", "lint", "wheel"]
+nox.options.sessions = ["tests", "source", "lint", "wheel"]
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 
@@ -63,6 +64,23 @@ def tests(session: nox.Session, megatron_core: str) -> None:
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
                 "-W", "ignore::DeprecationWarning", *session.posargs, env={**CPU_ENV, "GDN_COMPAT_SUITE_RECORDS": RECORDS})
+
+
+@nox.session(python=PYTHON)
+def source(session: nox.Session) -> None:
+    """The CPU suite against a megatron source tree ahead of megatron-core 0.19.2 (its dependencies), e.g. upstream
+    main: ``MEGATRON_SOURCE=/path/to/Megatron-LM nox -s source`` (the directory that holds ``megatron/``). Skipped
+    when MEGATRON_SOURCE is unset; the release sessions stay as they are."""
+    src = os.environ.get("MEGATRON_SOURCE")
+    if not src:
+        session.skip("MEGATRON_SOURCE is unset: set it to a Megatron-LM checkout (the directory holding megatron/) "
+                     "to run the CPU suite against that source tree")
+    if not os.path.isfile(os.path.join(src, "megatron", "core", "package_info.py")):
+        session.error(f"MEGATRON_SOURCE={src!r} holds no megatron/core/package_info.py")
+    session.install(*TEST_DEPS, "megatron-core==0.19.2")
+    session.install("--no-deps", "-e", ".")
+    session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
+                "-W", "ignore::DeprecationWarning", *session.posargs, env={**CPU_ENV, "PYTHONPATH": src})
 
 
 @nox.session(python=PYTHON)

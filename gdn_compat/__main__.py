@@ -33,11 +33,46 @@ def doctor(key_head_dim: int | None = None) -> dict[str, Any]:
     return {
         "gdn_compat": gdn_compat.__version__,
         "facts": facts.as_dict(),
+        "flashqla": flashqla_status(facts),
         "patches": plan,
         "findings": [dataclasses.asdict(f) for f in findings],
         "ok": not hazards.failing(findings),
         "exit": EXIT_USAGE if usage else (EXIT_PROBLEM if hazards.failing(findings) else EXIT_OK),
     }
+
+
+def flashqla_status(facts: Any) -> str:
+    """Whether FlashQLA (gdn_flashqla's delta rule) is present and usable on this machine's GPU; imports it only
+    when everything else says yes (the doctor runs in its own process)."""
+    from gdn_compat.patches.gdn_flashqla import flashqla_skip
+    from gdn_compat.patches.gdn_thd.fast import FLASHQLA_GPUS
+
+    why = flashqla_skip(facts)
+    if why:
+        return f"not usable: {why}"
+    if facts.gpu is None:
+        return f"{facts.flashqla} present; GPU not checked ({facts.notes.get('gpu', 'no GPU')})"
+    if tuple(facts.gpu.capability) not in FLASHQLA_GPUS:
+        return f"{facts.flashqla} present, not usable on {facts.gpu}: its kernels with a backward are for sm90/sm100/sm103"
+    if not facts.tilelang:
+        return f"{facts.flashqla} present, not usable: tilelang is not installed"
+    try:
+        import flash_qla  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - the finding is the reason
+        return f"{facts.flashqla} present, fails to import on {facts.gpu}: {type(exc).__name__}: {str(exc)[:160]}"
+    return f"{facts.flashqla} usable on {facts.gpu} (atomic-free source: {facts.flashqla_atomic_free})"
+
+
+def _fused_status(f: dict[str, Any]) -> str:
+    if not f["triton"]:
+        return "not usable: Triton is not installed"
+    import os
+
+    if f["gpu"]:
+        return f"Triton {f['triton']}: usable on this GPU"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return f"Triton {f['triton']}: CPU tensors through Triton's interpreter (TRITON_INTERPRET=1; slow, for tests)"
+    return f"Triton {f['triton']}: needs a CUDA GPU (none here)"
 
 
 _DETERMINISTIC = {"no": "refused (asserts)", "yes": "runs"}
@@ -77,6 +112,11 @@ def render(data: dict[str, Any]) -> str:
         + ("   (packed GDN can be captured in a CUDA graph)" if _graph_safe(v) else "   (no CUDA-graph capture of packed GDN)"),
         f"  fla kernels atomic-free    {f['fla_atomic_free']}   {f['notes'].get('fla_atomic_free', '')}"
         + ("   (deterministic THD runs them)" if f["fla_atomic_free"] == "yes" else ""),
+    ]
+    lines += [
+        f"  FlashQLA (gdn_flashqla)    {data['flashqla']}",
+        f"  fused kernels (gdn_fused)  {_fused_status(f)}",
+        f"  fla routes to FlashQLA     {f['fla_flashqla_backend']}" + ("   (off: FLA_FLASH_QLA=0)" if f["fla_flashqla_off"] else ""),
     ]
     lines += [f"  note {k}: {why}" for k, why in f["notes"].items() if k != "fla_atomic_free"]  # shown above
     lines.append("patches (what apply() would do):")

@@ -12,6 +12,7 @@ import enum
 import importlib
 import importlib.metadata as md
 import inspect
+import os
 import platform
 import re
 import sys
@@ -154,6 +155,7 @@ class Facts:
     fla_atomic_free: Accepts = Accepts.ABSENT  # YES: the fla code packed GDN runs has no atomics / scatter-adds
     fla_blackwell_wy_guard: Accepts = Accepts.ABSENT  # prepare_wy_repr_bwd autotune restricted on Blackwell (fla PR #1000)
     fla_flashqla_backend: Accepts = Accepts.ABSENT  # fla routes its delta rule to FlashQLA by itself (fla #998, >= 0.5.2)
+    fla_flashqla_off: bool = False  # FLA_FLASH_QLA=0 turns that routing off
     flashqla: Dist | None = None  # flash-qla, read from its metadata (importing it needs CUDA and tilelang)
     flashqla_atomic_free: Accepts = Accepts.ABSENT  # FlashQLA's source has no atomics (read from its files)
     gdn: Layout = Layout.ABSENT
@@ -404,7 +406,7 @@ def _mtp_shape(cls: Any) -> tuple[Mtp, str]:
     return Mtp.NO_PADDING_MASK, ""
 
 
-ROLL_PARAMS = ("tensor", "shifts", "dims", "packed_seq_params", "cp_group")
+ROLL_PARAMS = ("tensor", "shifts", "dims", "packed_seq_params", "cp_group")  # 0.16-0.19; main adds return_sum
 
 
 def _roll_shape(mod: Any) -> tuple[Roll, str]:
@@ -418,8 +420,9 @@ def _roll_shape(mod: Any) -> tuple[Roll, str]:
     func, roll = mod.__dict__.get("_roll_tensor_packed_seq"), mod.__dict__.get("roll_tensor")
     if func is None or roll is None:
         return Roll.ABSENT, ""
-    if tuple(inspect.signature(func).parameters) != ROLL_PARAMS:
-        return Roll.UNKNOWN, f"_roll_tensor_packed_seq{inspect.signature(func)} is not {ROLL_PARAMS}"
+    params = tuple(inspect.signature(func).parameters)
+    if params not in (ROLL_PARAMS, (*ROLL_PARAMS, "return_sum")):
+        return Roll.UNKNOWN, f"_roll_tensor_packed_seq{inspect.signature(func)} is not {ROLL_PARAMS} (+ return_sum)"
     if not re.search(r"\breturn\s+_roll_tensor_packed_seq\(", inspect.getsource(roll)):
         return Roll.UNKNOWN, "roll_tensor does not hand packed input to _roll_tensor_packed_seq"
     unpadded, padded = torch.tensor([0, 2, 5]), torch.tensor([0, 4, 8])
@@ -480,6 +483,7 @@ def _probe_fla(out: dict[str, Any]) -> None:
         out["fla_atomic_free"], out["notes"]["fla_atomic_free"] = atomic_free(rule, conv)
         out["fla_blackwell_wy_guard"] = _blackwell_wy_guard()
         out["fla_flashqla_backend"] = _fla_flashqla_backend()
+        out["fla_flashqla_off"] = os.environ.get("FLA_FLASH_QLA", "").strip() == "0"
         return
     unknown = Accepts.UNKNOWN
     out["fla_varlen"] = Varlen(unknown, unknown, unknown, unknown)
@@ -629,7 +633,15 @@ def probe(*, init_cuda: bool = False) -> Facts:
             out["notes"][field] = f"megatron.core failed to import: {_why(exc)}"
         return _facts(out)
     path = str(mcore.__file__).rsplit("/", 1)[0]
-    out["megatron"] = dataclasses.replace(out["megatron"] or Dist("megatron-core", "unknown"), path=path)
+    found = out["megatron"] or Dist("megatron-core", "unknown")
+    try:  # the imported tree's own version: a source tree on the path may not be the installed distribution
+        imported = str(importlib.import_module("megatron.core.package_info").__version__)
+    except Exception:  # noqa: BLE001 - no package_info: keep the metadata's
+        imported = found.version
+    if imported != found.version:
+        out["notes"]["megatron"] = (f"the imported megatron.core ({path}) is {imported}; the installed "
+                                    f"distribution's metadata says {found.version}")
+    out["megatron"] = Dist(found.name, imported, path)
     _probe_gdn(out)
     if out.get("gdn") in (Layout.MODULE, Layout.PACKAGE):
         _probe_finalize(out)

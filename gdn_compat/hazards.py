@@ -12,7 +12,7 @@ from typing import Literal
 
 from packaging.version import InvalidVersion, Version
 
-from gdn_compat._probe import Accepts, Conv, Facts, Layout, Mtp, Thd
+from gdn_compat._probe import Accepts, Conv, Facts, Layout, Mtp, Roll, Thd
 
 Severity = Literal["error", "danger", "warning", "info"]
 FLA_640 = "https://github.com/fla-org/flash-linear-attention/issues/640"
@@ -55,7 +55,31 @@ def _has_gdn(facts: Facts) -> bool:
 
 def check(facts: Facts, key_head_dim: int | None = None) -> list[Finding]:
     """All findings for this stack; ``key_head_dim`` is the model's (smallest) GDN key head dim if known."""
-    return [*_fla_install(facts), *_fla_640(facts, key_head_dim), *_gpu_generation(facts), *_gdn_shapes(facts)]
+    return [*_fla_install(facts), *_fla_640(facts, key_head_dim), *_gpu_generation(facts), *_gdn_shapes(facts),
+            *_flashqla(facts)]
+
+
+FLASHQLA_FIXED = Version("0.1.3")  # fixed dg for strong decay and the SM90 backward tail padding
+
+
+def _flashqla(facts: Facts) -> list[Finding]:
+    """fla >= 0.5.2 sends chunk_gated_delta_rule to FlashQLA by itself whenever flash_qla imports (fla #998),
+    whatever FlashQLA's version: megatron's own calls into fla included."""
+    if facts.fla_flashqla_backend is not Accepts.YES or facts.flashqla is None or facts.fla_flashqla_off:
+        return []
+    version = _version(facts.flashqla.version)
+    if version is not None and version < FLASHQLA_FIXED:
+        return [Finding(
+            "danger", "fla-auto-flashqla-old",
+            f"{facts.fla} routes chunk_gated_delta_rule to FlashQLA by itself (fla #998), and the installed "
+            f"{facts.flashqla} is older than 0.1.3: its dg is wrong for strong decay and its SM90 backward mishandles "
+            f"tail padding, so GDN gradients can be silently wrong.",
+            f"{FLA}/pull/998", "pip install 'flash-qla>=0.1.3', or FLA_FLASH_QLA=0 to keep fla's own kernels")]
+    return [Finding(
+        "info", "fla-auto-flashqla",
+        f"{facts.fla} routes chunk_gated_delta_rule to {facts.flashqla} by itself (fla #998, with FlashQLA's "
+        f"intra-card CP on); FLA_FLASH_QLA=0 turns that off. gdn_compat's own FlashQLA path is the opt-in "
+        f"gdn_flashqla.", f"{FLA}/pull/998")]
 
 
 def _fla_install(facts: Facts) -> list[Finding]:
@@ -179,6 +203,23 @@ def _gdn_shapes(facts: Facts) -> list[Finding]:
                 "warning", "unknown-shape",
                 f"gdn_compat does not recognise this megatron-core's {what} ({facts.notes.get(field, 'unknown')}); "
                 f"it patches nothing there."))
+    # targets whose every known shape has a silent hole: an unknown shape may still have it
+    if facts.mtp_roll is Roll.UNKNOWN:
+        out.append(Finding(
+            "warning", "unknown-shape-known-hole",
+            f"gdn_compat does not recognise this megatron-core's packed MTP roll ({facts.notes.get('mtp_roll', 'unknown')}), "
+            f"so mtp_packed_roll does not apply; every release up to 0.19.2 and upstream main at d98e8a6 roll a pack "
+            f"laid out by cu_seqlens_q_padded by the unpadded offsets, a silently wrong MTP loss.",
+            "https://github.com/NVIDIA/Megatron-LM/pull/4494",
+            "check that MTP labels stay inside each sequence on a padded pack, or pack without alignment padding"))
+    if _has_gdn(facts) and facts.gdn_out_norm_tp_sum is Accepts.UNKNOWN:
+        out.append(Finding(
+            "warning", "unknown-shape-known-hole",
+            f"gdn_compat does not recognise this megatron-core's finalize_model_grads "
+            f"({facts.notes.get('gdn_out_norm_tp_sum', 'unknown')}), so gdn_out_norm_tp_grad does not apply; every "
+            f"release with GDN leaves the GDN out_norm grad partial at tp > 1 without sequence parallelism.",
+            "https://github.com/NVIDIA/Megatron-LM/issues/7452",
+            "compare the out_norm weights across tensor-parallel ranks after a few steps"))
     return out
 
 

@@ -145,3 +145,19 @@ def test_with_a_sequence_parallel_norm_the_release_is_right_and_the_patch_does_n
 def test_the_release_torch_norm_refuses_sequence_parallelism(runs):
     _, ranks = runs
     assert "sequence parallel not supported" in ranks[0]["torch_norm_sp"], FACTS.release
+
+
+def test_gdn_modules_are_recognised_by_their_per_head_norm_not_by_class_name():
+    """main adds GatedDeltaNet2 (gdn2.py, a sibling class) with the same per-head out_norm: the hole is the
+    structure, so the patch selects modules by it."""
+    from gdn_compat.patches.gdn_out_norm_tp_grad import per_head_out_norm
+
+    class GDN2Like(torch.nn.Module):  # not a GatedDeltaNet subclass
+        def __init__(self, dv=16, heads=4, norm_width=None):
+            super().__init__()
+            self.value_head_dim, self.num_value_heads = dv, heads
+            self.out_norm = torch.nn.RMSNorm(norm_width or dv)
+
+    assert per_head_out_norm(GDN2Like())
+    assert not per_head_out_norm(GDN2Like(norm_width=64))  # a norm over all heads: each rank sees its whole input
+    assert not per_head_out_norm(torch.nn.Linear(4, 4))

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from gdn_compat._probe import Accepts, Conv, Dist, Facts, Gpu, Layout, Mtp, Thd, Varlen
+from gdn_compat._probe import Accepts, Conv, Dist, Facts, Gpu, Layout, Mtp, Roll, Thd, Varlen
 from gdn_compat.hazards import check, failing
 
 HOPPER = dict(gpu=Gpu("NVIDIA H200", (9, 0)))
@@ -138,3 +138,22 @@ def test_the_installed_fla_guard_is_read_from_its_source():
     if f.fla is None or f.fla_error or Version(f.fla.version) < Version("0.6.0"):
         pytest.skip(f"needs fla-core >= 0.6.0 (read: it carries PR #1000), have {f.fla}")
     assert f.fla_blackwell_wy_guard is Accepts.YES
+
+
+def test_an_unknown_shape_of_a_target_with_a_known_hole_is_a_warning_naming_the_hole():
+    found = {x.code: x for x in check(facts(mtp_roll=Roll.UNKNOWN, notes={"mtp_roll": "new signature"}))}
+    assert found["unknown-shape-known-hole"].severity == "warning"
+    assert "new signature" in found["unknown-shape-known-hole"].message and "4494" in found["unknown-shape-known-hole"].source
+    assert "unknown-shape-known-hole" not in codes(facts(mtp_roll=Roll.UNPADDED))
+    tp = {x.code: x for x in check(facts(gdn_out_norm_tp_sum=Accepts.UNKNOWN))}
+    assert "7452" in tp["unknown-shape-known-hole"].source
+
+
+@pytest.mark.parametrize("version,off,code,sev", [("0.1.2", False, "fla-auto-flashqla-old", "danger"),
+                                                  ("0.1.3", False, "fla-auto-flashqla", "info"),
+                                                  ("0.1.2", True, None, None)])
+def test_fla_routing_to_an_old_flashqla_by_itself_is_a_danger(version, off, code, sev):
+    f = facts(fla="0.6.0", fla_flashqla_backend=Accepts.YES, flashqla=Dist("flash-qla", version), fla_flashqla_off=off)
+    got = {k: v for k, v in codes(f).items() if "flashqla" in k}
+    assert got == ({code: sev} if code else {})
+    assert not {k for k in codes(facts(fla="0.6.0", flashqla=Dist("flash-qla", "0.1.2"))) if "flashqla" in k}

@@ -94,6 +94,17 @@ def test_unpadded_pack_at_cp1_is_bitwise_the_release_roll(dtype):
     assert got.dtype == want.dtype and torch.equal(got, want) and torch.equal(got_sum, want_sum)
 
 
+def test_return_sum_false_skips_the_sum_as_main_asks():
+    """megatron main (0.20) added ``return_sum=True`` to the roll; the patched roll takes it on every release."""
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    ids, _ = tokens(*PADDED)
+    with gdn_compat.applied():
+        rolled, total = mtp._roll_tensor_packed_seq(ids, -1, -1, padded_psp(), None, return_sum=False)
+        _, with_sum = mtp._roll_tensor_packed_seq(ids, -1, -1, padded_psp(), None)
+    assert total is None and torch.equal(rolled, reference(ids, *PADDED)) and with_sum == rolled.sum()
+
+
 def test_patched_roll_refuses_what_the_release_asserts_with_the_values():
     from megatron.core.transformer import multi_token_prediction as mtp
 

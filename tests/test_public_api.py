@@ -151,6 +151,8 @@ def test_apply_warns_once_per_hazard_and_reports_it(monkeypatch, caplog):
 def test_readme_compatibility_row_for_this_release_is_current():
     if FACTS.megatron is None:
         pytest.skip("no megatron-core installed")
+    if "megatron" in FACTS.notes:  # a source tree ahead of the installed release (nox -s source): no README row
+        pytest.skip(f"megatron.core is a source tree, not a release: {FACTS.notes['megatron']}")
     readme = (ROOT / "README.md").read_text()
     row = compat_table.row(doctor())
     assert row in readme, f"README compatibility table is stale; regenerate with `nox -s compat_table`. Expected row:\n{row}"

@@ -18,14 +18,13 @@ sequence parallelism on). So a gradient is summed once, never twice.
 from __future__ import annotations
 
 import functools
-import importlib
 import sys
 from typing import Any
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from gdn_compat._probe import FINALIZE_MODULE, GDN_MODULE, Accepts, Facts, Layout
+from gdn_compat._probe import FINALIZE_MODULE, Accepts, Facts, Layout
 from gdn_compat._registry import Patch, Target
 
 
@@ -45,16 +44,26 @@ def summed_by_release(param: Any, config: Any) -> bool:
                 or (config.sequence_parallel and getattr(param, "sequence_parallel", False)))
 
 
+def per_head_out_norm(module: Any) -> bool:
+    """The hole's shape, whatever the class is called (GatedDeltaNet, main's GatedDeltaNet2, a subclass): an
+    ``out_norm`` with one weight of the value head dim, applied to every value head, while tensor parallelism
+    splits the heads; each rank's gradient of that replicated weight then covers only its own heads."""
+    norm = getattr(module, "out_norm", None)
+    weight = getattr(norm, "weight", None)
+    dv, heads = getattr(module, "value_head_dim", None), getattr(module, "num_value_heads", None)
+    return (isinstance(weight, torch.Tensor) and isinstance(dv, int) and isinstance(heads, int) and heads > 1
+            and tuple(weight.shape) == (dv,))
+
+
 def build(facts: Facts, original: Any) -> Any:
     release = sys.modules[original.__module__]
-    gdn_cls = importlib.import_module(GDN_MODULE).GatedDeltaNet
 
     def out_norm_grads(model: list, config: Any) -> list[tuple[Any, str, torch.Tensor]]:
         found = []
         for chunk in model:
             fsdp = chunk.ddp_config.use_megatron_fsdp
             for module in release.get_attr_wrapped_model(chunk, "modules")():
-                if not isinstance(module, gdn_cls):
+                if not per_head_out_norm(module):
                     continue
                 for param in module.out_norm.parameters():
                     attr = release._get_main_grad_attr(param)

@@ -79,7 +79,9 @@ def _gather(tensor: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
 
 def build(facts: Facts, original: Any) -> Any:
     @functools.wraps(original)
-    def _roll_tensor_packed_seq(tensor, shifts, dims, packed_seq_params, cp_group=None):
+    def _roll_tensor_packed_seq(tensor, shifts, dims, packed_seq_params, cp_group=None, return_sum=True):
+        # return_sum: megatron main's keyword (the sum is skipped when the caller does not need it); the
+        # releases 0.16-0.19 never pass it and always get the sum, as before
         if shifts != -1 or dims not in (-1, tensor.dim() - 1):
             raise ValueError(f"gdn_compat mtp_packed_roll: a packed roll shifts the last dim by -1 (as the "
                              f"release's); got shifts={shifts}, dims={dims} for a {tensor.dim()}-d tensor")
@@ -90,7 +92,7 @@ def build(facts: Facts, original: Any) -> Any:
         local = tensor.shape[-1]
         if local == 0:
             rolled = tensor.clone()
-            return rolled, rolled.sum()
+            return rolled, rolled.sum() if return_sum else None
         pack = pack_for(packed_seq_params, local * cp, tensor.device, cp)
         rank = dist.get_rank(group=cp_group) if cp > 1 else 0
         key = ("mtp_roll", rank)  # the pack itself is keyed by tokens, device and cp
@@ -99,7 +101,7 @@ def build(facts: Facts, original: Any) -> Any:
         index, keep = pack.memo[key]
         source = tensor if cp == 1 else _gather(tensor, cp_group, cp)
         rolled = torch.where(keep, source.index_select(-1, index), tensor.new_zeros(()))
-        return rolled, rolled.sum()
+        return rolled, rolled.sum() if return_sum else None
 
     return _roll_tensor_packed_seq
 

@@ -75,3 +75,35 @@ def ref_core(cu: list[int]):
         return reference.delta_rule(q[0], k[0], v[0], g[0].to(q.dtype), beta[0].to(q.dtype), bounds)[None], None
 
     return TorchCore(rule, tuple(reference.spans(cu)))
+
+
+class FakeFlashQla:
+    """A stand-in for the ``flash_qla`` module's fwd/bwd with FlashQLA's contract (q/k with fewer heads than v,
+    dq/dk returned per key head, g in log space, offsets as given), computed by the reference recurrence with
+    autograd: it checks what gdn_compat hands FlashQLA, not FlashQLA itself."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def _run(self, q, k, v, g, beta, cu):
+        from gdn_compat.fused import reference
+
+        rep = v.shape[2] // k.shape[2]
+        return reference.delta_rule(q[0].repeat_interleave(rep, 1), k[0].repeat_interleave(rep, 1), v[0],
+                                    g[0].to(q.dtype), beta[0].to(q.dtype), cu.tolist())[None]
+
+    def chunk_gated_delta_rule_fwd(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
+                                   output_h, auto_cp, **_):
+        self.calls.append({"q_heads": q.shape[2], "v_heads": v.shape[2], "cu_dtype": cu_seqlens.dtype,
+                           "auto_cp": auto_cp})
+        with torch.no_grad():
+            o = self._run(q, k, v, g, beta, cu_seqlens)
+        return g.clone(), torch.zeros(1), o, None, None, None  # (g_cum, A, o, h, final_state, cp_cache)
+
+    def chunk_gated_delta_rule_bwd(self, q, k, v, g, beta, A, do, dht, scale, initial_state, cu_seqlens, auto_cp,
+                                   **_):
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+            o = self._run(*leaves, cu_seqlens)
+            dq, dk, dv, dg, db = torch.autograd.grad(o, leaves, do)
+        return dq, dk, dv, db, dg, None

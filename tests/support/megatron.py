@@ -45,7 +45,26 @@ def cpu_stand_ins() -> Iterator[None]:
         mp.setattr(mrandom.CudaRNGStatesTracker, "fork", fork)
         mp.setattr(mrandom, "_get_all_rng_states", lambda: {})
         mp.setattr(mrandom, "_set_all_rng_states", lambda *a, **k: None)
+        _inference_linears_without_te(mp)
         yield
+
+
+def _inference_linears_without_te(mp) -> None:
+    """megatron main (0.20) tests ``isinstance(m, (InferenceColumnParallelLinear, ...))`` while building an MTP
+    layer; without Transformer Engine those names are MagicMock placeholders and isinstance raises. No linear is
+    one of them then: say so where the function is looked up."""
+    import importlib
+    import sys
+
+    try:
+        layers = importlib.import_module("megatron.core.tensor_parallel.inference_layers")
+    except ImportError:
+        return
+    if isinstance(getattr(layers, "InferenceColumnParallelLinear", type), type):
+        return
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and hasattr(module, "is_inference_column_parallel_linear"):
+            mp.setattr(module, "is_inference_column_parallel_linear", lambda module: False)
 
 
 def moe_without_te() -> None:

@@ -6,10 +6,14 @@ import importlib.metadata as md
 
 
 def megatron_version() -> str | None:
+    """The imported megatron.core's own version (a source tree on PYTHONPATH wins over the installed wheel)."""
     try:
-        return md.version("megatron-core")
+        md.version("megatron-core")
     except md.PackageNotFoundError:
         return None
+    from megatron.core import package_info
+
+    return str(package_info.__version__)
 
 
 MEGATRON = megatron_version()

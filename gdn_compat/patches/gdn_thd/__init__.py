@@ -150,6 +150,13 @@ def needs_gdn_thd(facts: Facts) -> tuple[str, ...]:
     return ("gdn_thd",) if facts.gdn_thd is Thd.REFUSES else ()
 
 
+def fla_backend(layer: Any) -> bool:
+    """The layer runs fla's kernels: upstream main's ``gdn_kernel_backend`` (#6645, a TE/cuDNN core) set to anything
+    else keeps the release's own forward, whose kernels gdn_compat's path would replace."""
+    backend = getattr(getattr(layer, "config", None), "gdn_kernel_backend", None)
+    return backend in (None, "fla")
+
+
 def route(facts: Facts, original: Any, takes: Callable[[Any], bool], paths: Fast = fast.NONE) -> Any:
     """A replacement for ``GatedDeltaNet.forward`` that runs this packed path for the packed calls
     (``qkv_format='thd'``, no inference context) of layers ``takes(layer)`` selects, and ``original`` for every
@@ -163,7 +170,7 @@ def route(facts: Facts, original: Any, takes: Callable[[Any], bool], paths: Fast
 
     def packed(self, hidden_states, packed_seq_params, inference_context, inference_params) -> bool:
         return (packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
-                and inference_context is None and inference_params is None and takes(self))
+                and inference_context is None and inference_params is None and fla_backend(self) and takes(self))
 
     def run(self, hidden_states, packed_seq_params):
         cp = cpx.size_of(self)
