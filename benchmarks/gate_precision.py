@@ -110,9 +110,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from tests.support.megatron import world
-
     import gdn_compat
+    from tests.support.megatron import world
 
     facts = gdn_compat.probe()
     out: dict = {"megatron_core": facts.megatron.version if facts.megatron else None, "per head": per_head()}

@@ -82,7 +82,6 @@ def test_with_dynamo_on_the_release_gate_is_already_fp32_and_the_patch_says_so(m
     with a bf16 A_log is the fp32 formula, so gdn_gate_fp32 skips with that reason (the numerics evidence is
     the compiled run itself, not a dynamo-off stand-in)."""
     import torch._dynamo
-
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     monkeypatch.setattr(torch._dynamo.config, "disable", False)

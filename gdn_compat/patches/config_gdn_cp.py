@@ -56,10 +56,9 @@ def _parse(func: Any) -> tuple[ast.Module, ast.FunctionDef]:
     indent = len(source) - len(source.lstrip()) - (len(dedented) - len(dedented.lstrip()))
     tree = ast.parse(dedented)
     for node in ast.walk(tree):
-        if hasattr(node, "col_offset") and node.col_offset is not None:
-            node.col_offset += indent
-        if getattr(node, "end_col_offset", None) is not None:
-            node.end_col_offset += indent
+        for field in ("col_offset", "end_col_offset"):
+            if getattr(node, field, None) is not None:
+                setattr(node, field, getattr(node, field) + indent)
     node = tree.body[0]
     if not isinstance(node, ast.FunctionDef):
         raise TypeError(f"{func.__qualname__} is not a plain function")
