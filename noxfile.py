@@ -6,6 +6,7 @@
     nox -s compat_table                          # regenerate the README compatibility table
     MEGATRON_SOURCE=/path/to/Megatron-LM nox -s source   # the CPU suite against a megatron source tree (upstream main)
     nox -s wheel                                 # build sdist + wheel, use the wheel from a clean venv
+    nox -s ray                                   # GDN_COMPAT_AUTO from the installed wheel: fresh processes, Ray actors
 
 Python 3.12 (megatron-core >= 0.17 requires it): $NOX_PYTHON312 if set, else ``python3.12`` on PATH,
 else a pyenv-installed 3.12, else nox's own lookup of "3.12".
@@ -52,7 +53,7 @@ PYTHON = _python312()
 # Records of which heavy suites ran on which megatron-core files, for this nox run only (tests/support/suite_records.py)
 RECORDS = tempfile.mkdtemp(prefix="gdn-compat-suites-")
 
-nox.options.sessions = ["tests", "source", "lint", "wheel"]
+nox.options.sessions = ["tests", "source", "ray", "lint", "wheel"]
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 
@@ -86,7 +87,8 @@ def source(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     session.install("ruff", "mypy", "packaging", TORCH)
-    session.run("ruff", "check", "gdn_compat", "tests", "benchmarks", "examples", "noxfile.py")
+    session.run("ruff", "check", "gdn_compat", "_gdn_compat_auto.py", "setup.py", "tests", "benchmarks", "examples",
+                "noxfile.py")
     session.run("mypy", "gdn_compat")
 
 
@@ -116,6 +118,24 @@ def wheel(session: nox.Session) -> None:
             "print('wheel OK:', gdn_compat.__file__, sorted(report.applied))\n")
     with session.chdir(away):
         session.run("python", "-c", code, env=CPU_ENV)
+
+
+def _built_wheel(session: nox.Session) -> str:
+    dist = os.path.join(session.create_tmp(), "dist")
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("uv", "build", "--wheel", "--out-dir", dist, external=True, silent=True)
+    [whl] = [os.path.join(dist, f) for f in os.listdir(dist) if f.endswith(".whl")]
+    return whl
+
+
+@nox.session(python=PYTHON)
+def ray(session: nox.Session) -> None:
+    """GDN_COMPAT_AUTO for real (#29): gdn_compat installed from its wheel (not editable) beside megatron-core 0.17.1
+    and ray; fresh processes and Ray actors that never import gdn_compat (tests/test_auto.py, tests/test_ray.py)."""
+    session.install(*TEST_DEPS, "megatron-core==0.17.1", "ray==2.60.0", _built_wheel(session))
+    session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
+                "-W", "ignore::DeprecationWarning", "tests/test_auto.py", "tests/test_ray.py", *session.posargs,
+                env=CPU_ENV)
 
 
 @nox.session(python=PYTHON)

@@ -21,7 +21,8 @@ from gdn_compat.hazards import Finding, check
 from gdn_compat.patches import PATCHES
 
 __version__ = "0.1.0"
-__all__ = ["Facts", "Finding", "Record", "Report", "apply", "applied", "graphs", "plan", "probe", "report", "revert"]
+__all__ = ["Facts", "Finding", "Record", "Report", "apply", "applied", "auto", "graphs", "plan", "probe", "report",
+           "revert"]
 
 log = logging.getLogger("gdn_compat")
 _NAMES = tuple(p.name for p in PATCHES)
@@ -89,6 +90,15 @@ def applied(*, force: Iterable[str] = (), **switches: bool) -> Iterator[Report]:
         _registry.revert(to=mark)
 
 
+def auto() -> None:
+    """Apply as soon as megatron-core is imported in this process, or at once (with a warning) if it already is:
+    for hooks that run at process start, e.g. Ray's ``runtime_env={"worker_process_setup_hook": "gdn_compat.auto"}``.
+    ``GDN_COMPAT_AUTO=1`` does the same with no code at all (``_gdn_compat_auto``)."""
+    import _gdn_compat_auto
+
+    _gdn_compat_auto.install("gdn_compat.auto()")
+
+
 def _forced(force: Iterable[str]) -> frozenset[str]:
     if isinstance(force, str):
         force = [force]
@@ -102,3 +112,18 @@ def _forced(force: Iterable[str]) -> frozenset[str]:
 def _report(facts: Facts) -> Report:
     records = tuple(_registry.records[n] for n in _NAMES if n in _registry.records)
     return Report(records=records, findings=tuple(check(facts)), facts=facts)
+
+
+def _auto_at_import() -> None:
+    """``GDN_COMPAT_AUTO`` set, but after interpreter start (so gdn_compat_auto.pth did not see it): importing
+    gdn_compat installs the hook then (applying at once, with a warning, if megatron-core is already imported)."""
+    import os
+
+    if os.environ.get("GDN_COMPAT_AUTO", "").strip() not in ("", "0"):
+        import _gdn_compat_auto
+
+        if _gdn_compat_auto.requested():
+            _gdn_compat_auto.install("GDN_COMPAT_AUTO, seen when gdn_compat was imported")
+
+
+_auto_at_import()

@@ -21,6 +21,12 @@ def doctor(key_head_dim: int | None = None) -> dict[str, Any]:
     import gdn_compat
     from gdn_compat import hazards
 
+    try:  # GDN_COMPAT_AUTO would apply as the probe imports megatron-core: the doctor looks at the release as it is
+        import _gdn_compat_auto
+
+        _gdn_compat_auto.disarm()
+    except ImportError:
+        pass
     facts = gdn_compat.probe(init_cuda=True)  # its own process: creating a CUDA context harms nobody
     findings = hazards.check(facts, key_head_dim=key_head_dim)
     try:
