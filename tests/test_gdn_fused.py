@@ -22,6 +22,7 @@ pytestmark = [
     pytest.mark.skipif(skip_reason("gdn_fused", gdn_fused=True) is not None,
                        reason=str(skip_reason("gdn_fused", gdn_fused=True))),
     pytest.mark.skipif(interpreted_or_cuda() is not None, reason=str(interpreted_or_cuda())),
+    pytest.mark.heavy,  # about a minute in Triton's interpreter: once per distinct source
 ]
 
 LENGTHS = [1, 70, 0, 5, 64, 65, 2, 0]  # a length-1 sequence, chunk edges, zero-length entries

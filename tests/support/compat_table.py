@@ -9,9 +9,9 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-COLUMNS = ("gdn_thd", "gdn_thd_deterministic", "gdn_thd_graph_safe", "gdn_thd_cp_fused", "config_gdn_cp", "gdn_cp_comm_type",
-           "gdn_out_norm_tp_grad", "gdn_backward_dw", "gdn_gate_fp32", "mtp_checkpoint_args", "mtp_packed_roll",
-           "mtp_padding_mask")
+COLUMNS = ("gdn_thd", "gdn_thd_deterministic", "gdn_thd_graph_safe", "gdn_thd_cp_fused", "gdn_flashqla", "gdn_fused",
+           "gdn_thd_unpacked", "config_gdn_cp", "gdn_cp_comm_type", "gdn_out_norm_tp_grad", "gdn_backward_dw",
+           "gdn_gate_fp32", "mtp_checkpoint_args", "mtp_packed_roll", "mtp_padding_mask")
 HEADER = ("| megatron-core | GatedDeltaNet | THD in GDN | CP in GDN | MTP `_checkpointed_forward` | "
           + " | ".join(f"`{c}`" for c in COLUMNS) + " |\n|" + "---|" * (5 + len(COLUMNS)))
 START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
@@ -23,7 +23,13 @@ def row(doctor: dict[str, Any]) -> str:
 
     def cell(name: str) -> str:
         state, reason = status.get(name, ("skipped", ""))
-        return "**applied**" if state == "would_apply" else "opt-in" if "opt-in, off by default" in reason else "skipped"
+        if state == "would_apply":
+            return "**applied**"
+        if "opt-in, off by default" in reason:
+            return "opt-in"
+        if name == "gdn_flashqla" and "flash-qla is not installed" in reason:  # the table's machine has none
+            return "opt-in (flash-qla)"
+        return "skipped"
 
     cells = [cell(c) for c in COLUMNS]
     cp = f["gdn_cp"] + (" (config refuses)" if f["config_refuses_gdn_cp"] else "")
