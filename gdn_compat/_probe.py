@@ -635,7 +635,7 @@ def probe(*, init_cuda: bool = False) -> Facts:
     path = str(mcore.__file__).rsplit("/", 1)[0]
     found = out["megatron"] or Dist("megatron-core", "unknown")
     try:  # the imported tree's own version: a source tree on the path may not be the installed distribution
-        imported = str(importlib.import_module("megatron.core.package_info").__version__)
+        imported = package_version(importlib.import_module("megatron.core.package_info"))
     except Exception:  # noqa: BLE001 - no package_info: keep the metadata's
         imported = found.version
     if imported != found.version:
@@ -648,6 +648,16 @@ def probe(*, init_cuda: bool = False) -> Facts:
     _probe_config(out)
     _probe_mtp(out)
     return _facts(out)
+
+
+def package_version(info: Any) -> str:
+    """megatron.core.package_info's release version, from its VERSION tuple: its ``__version__`` from 0.18 on
+    appends ``+<git sha>`` of whatever git checkout the installed files sit in (a venv inside a project's repo
+    gets the project's sha)."""
+    version = getattr(info, "VERSION", None)
+    if isinstance(version, tuple) and len(version) >= 3:
+        return ".".join(map(str, version[:3])) + "".join(map(str, version[3:]))
+    return str(info.__version__)
 
 
 def _facts(out: dict[str, Any]) -> Facts:

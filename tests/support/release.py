@@ -13,7 +13,9 @@ def megatron_version() -> str | None:
         return None
     from megatron.core import package_info
 
-    return str(package_info.__version__)
+    from gdn_compat._probe import package_version
+
+    return package_version(package_info)
 
 
 MEGATRON = megatron_version()
