@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from benchmarks.bench_gdn_thd import measure
 from tests.support.gdn import DESIGN_LENGTHS, QWEN3_NEXT, RL_LENGTHS, build_gdn, offsets, packed
 
 PACKS = {"16k": DESIGN_LENGTHS, "rl": RL_LENGTHS}
@@ -54,15 +55,8 @@ def _psp(lengths):
 
 
 def timed(step, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of ``steps`` runs (bench_gdn_thd's measure, the shapes already warm)."""
+    return measure(step, steps, warmup=0)[0]
 
 
 def kernels(step, steps: int = 3) -> dict:

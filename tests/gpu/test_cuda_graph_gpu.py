@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gdn_compat
-from tests.support.gdn import QWEN3_NEXT, RL_LENGTHS, build_gdn, offsets, packed, packed_run, rel
+from tests.support.gdn import QWEN3_NEXT, RL_LENGTHS, build_gdn, captured_layer_step, offsets, packed, packed_run, rel
 from tests.support.release import FACTS, MEGATRON
 
 T = sum(RL_LENGTHS)  # 8,393 tokens, at most 16 sequences: the RL pack's budget
@@ -70,18 +70,7 @@ def test_one_capture_of_a_packed_layer_replays_every_layout_bitwise_eager(graph_
     dy = torch.randn(T, 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
     buf = gdn_compat.graphs.PackBuffer(T, 16, device="cuda")
     buf.load(offsets(RL_LENGTHS))
-    sx = xs[0].clone().requires_grad_(True)
-
-    def step():
-        layer.zero_grad(set_to_none=True)
-        sx.grad = None
-        out = layer(sx, None, packed_seq_params=buf.params)[0]
-        out.backward(dy)
-        return out
-
-    graph, out = gdn_compat.graphs.capture(step)
-    # the graph's own gradient tensors: the eager reference runs below give .grad fresh tensors
-    static = {"out": out, "dx": sx.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    graph, sx, static = captured_layer_step(layer, xs[0], dy, buf.params)
     report = []
     for (name, lengths), x in zip(LAYOUTS.items(), xs):
         cu = offsets(lengths)

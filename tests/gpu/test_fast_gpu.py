@@ -15,7 +15,17 @@ import pytest
 import torch
 
 import gdn_compat
-from tests.support.gdn import DESIGN_LENGTHS, QWEN3_NEXT, RL_LENGTHS, build_gdn, offsets, packed, packed_run, rel
+from tests.support.gdn import (
+    DESIGN_LENGTHS,
+    QWEN3_NEXT,
+    RL_LENGTHS,
+    build_gdn,
+    captured_layer_step,
+    offsets,
+    packed,
+    packed_run,
+    rel,
+)
 from tests.support.release import FACTS, MEGATRON
 
 EDGES = [1, 63, 64, 65, 127, 128, 129, 0, 500, 1, 0, 2]  # length-1, chunk edges, zero-length entries
@@ -150,17 +160,7 @@ def test_one_capture_through_the_fused_region_replays_every_layout_bitwise_eager
     with caplog.at_level(logging.INFO, logger="gdn_compat"), gdn_compat.applied(gdn_fused=True):
         buf = gdn_compat.graphs.PackBuffer(T, 16, device="cuda")
         buf.load(offsets(RL_LENGTHS))
-        sx = xs[0].clone().requires_grad_(True)
-
-        def step():
-            layer.zero_grad(set_to_none=True)
-            sx.grad = None
-            out = layer(sx, None, packed_seq_params=buf.params)[0]
-            out.backward(dy)
-            return out
-
-        graph, out = gdn_compat.graphs.capture(step)
-        static = {"out": out, "dx": sx.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+        graph, sx, static = captured_layer_step(layer, xs[0], dy, buf.params)
         lines = []
         for (name, lengths), x in zip(LAYOUTS.items(), xs):
             buf.load(offsets(lengths))

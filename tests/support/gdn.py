@@ -193,3 +193,22 @@ def fla_on_cpu(setattr_=setattr) -> None:
         setattr_(m, "causal_conv1d", causal_conv1d)
         setattr_(m, "chunk_gated_delta_rule", chunk_gated_delta_rule)
         setattr_(m, "l2norm", l2norm_ref)
+
+
+def captured_layer_step(layer, x0: torch.Tensor, dy: torch.Tensor, psp):
+    """One CUDA-graph capture of a packed GDN layer's forward + backward on a static input (a leaf copy of ``x0``)
+    and ``psp`` (a PackBuffer's params): (graph, static input, {"out", "dx", parameter: grad} of the graph's own
+    tensors). Eager reference runs give ``.grad`` fresh tensors, so the graph's stay intact."""
+    import gdn_compat
+
+    sx = x0.clone().requires_grad_(True)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        sx.grad = None
+        out = layer(sx, None, packed_seq_params=psp)[0]
+        out.backward(dy)
+        return out
+
+    graph, out = gdn_compat.graphs.capture(step)
+    return graph, sx, {"out": out, "dx": sx.grad, **{n: p.grad for n, p in layer.named_parameters()}}
