@@ -61,10 +61,14 @@ class Cell(NamedTuple):
     cp: int
     mtp: bool = False  # one MTP layer (its inner layer a GDN + MLP)
     moe: bool = False  # every second MLP a top-2 mixture of 4 experts
+    fused: bool = False  # apply(gdn_fused=True): gdn_compat's Triton region (Triton's interpreter on the CPU)
 
     def id(self, recompute: bool) -> str:
         return (f"tp{self.tp}-sp{'on' if self.sp else 'off'}-cp{self.cp}-{'full' if recompute else 'none'}"
-                + "-mtp" * self.mtp + "-moe" * self.moe)
+                + "-mtp" * self.mtp + "-moe" * self.moe + "-fused" * self.fused)
+
+    def switches(self) -> dict:
+        return {"gdn_fused": True} if self.fused else {}
 
 
 # MTP cells at cp = 1 and without sp: the MTP layer's norms are megatron's torch norm, which refuses
@@ -72,6 +76,12 @@ class Cell(NamedTuple):
 CELLS = [Cell(1, False, 1), Cell(2, False, 1), Cell(2, True, 1), Cell(1, False, 2),
          Cell(1, False, 1, mtp=True), Cell(2, False, 1, mtp=True), Cell(1, False, 1, moe=True),
          Cell(2, True, 1, moe=True)]
+# gdn_fused under tp + sp, cp (after the all-to-all) and MTP, each with and without full recompute, in Triton's
+# interpreter (minutes per release): on 0.17.1 (its route over gdn_thd) and 0.19.2 (over native THD), whose code
+# paths the other releases of each generation share; tests/test_gdn_fused.py runs the layer on every release
+FUSED = (skip_reason("gdn_fused", gdn_fused=True) is None and os.environ.get("TRITON_INTERPRET") == "1"
+         and MEGATRON in ("0.17.1", "0.19.2"))
+CELLS += [Cell(2, True, 1, fused=True), Cell(1, False, 2, fused=True), Cell(1, False, 1, mtp=True, fused=True)] * FUSED
 OUT_NORM = "self_attention.out_norm.weight"
 # 0.18/0.19 without gdn_thd_deterministic: upstream's packed path, CUDA + fla only
 DETERMINISTIC_THD_HOLE = FACTS.gdn_thd == "native" and skip_reason("gdn_thd_deterministic") is not None
@@ -92,7 +102,7 @@ def _reference(path: str) -> None:
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     out = {}
-    for mtp, moe in sorted({(c.mtp, c.moe) for c in CELLS}):
+    for mtp, moe in sorted({(c.mtp, c.moe) for c in CELLS}):  # gdn_fused cells share the reference
         model = M.build(M.config(deterministic=True, mtp=mtp, moe=moe))
         ref = out[mtp, moe] = {"state": {n: p.detach().clone() for n, p in model.named_parameters()}}
         for name, (lengths, padded) in PACKS.items():
@@ -124,7 +134,7 @@ def _run_cell(ref: dict, cell: Cell, recompute: bool, rank_tp: int, rank_cp: int
 
     from tests.support.gdn import shard
 
-    tp, sp, cp, mtp, moe = cell
+    tp, sp, cp, mtp, moe = cell.tp, cell.sp, cell.cp, cell.mtp, cell.moe
     ref = ref[mtp, moe]
     cfg = M.config(tp=tp, sp=sp, cp=cp, recompute=recompute, deterministic=True, mtp=mtp, moe=moe)
     model = M.build(cfg)
@@ -181,7 +191,7 @@ def _worker(rank: int, world: int, port: int, ref_path: str, out_path: str, cell
             parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
             groups = {"tp": parallel_state.get_tensor_model_parallel_group(),
                       "cp": parallel_state.get_context_parallel_group()}
-            with gdn_compat.applied():
+            with gdn_compat.applied(**cell.switches()):
                 try:
                     results[cell.id(recompute)] = _run_cell(
                         ref, cell, recompute, parallel_state.get_tensor_model_parallel_rank(),
@@ -212,7 +222,7 @@ def matrix(megatron_cpu):
                   "cp": parallel_state.get_context_parallel_group()}
         for cell in [c for c in CELLS if c.tp * c.cp == 1]:
             for recompute in (False, True):
-                with gdn_compat.applied():
+                with gdn_compat.applied(**cell.switches()):
                     try:
                         results[cell.id(recompute)] = _run_cell(ref, cell, recompute, 0, 0, groups)
                     except Exception as exc:  # noqa: BLE001
