@@ -77,25 +77,26 @@ def test_packed_calls_use_the_same_gate_as_unpacked_ones(layer):
     assert rel(release_pack, fp32_alone) > 1e-4  # and that gate is not the release's
 
 
-def test_with_dynamo_on_the_release_gate_is_already_fp32_and_the_patch_says_so(megatron_cpu, monkeypatch):
+def test_with_dynamo_on_the_release_gate_is_already_fp32_and_the_patch_says_so(megatron_cpu):
     """megatron's default: jit_fuser is torch.compile. Compiled on the CPU (inductor), the release's own gate
     with a bf16 A_log is the fp32 formula, so gdn_gate_fp32 skips with that reason (the numerics evidence is
     the compiled run itself, not a dynamo-off stand-in)."""
     import torch._dynamo
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)
-    facts = gdn_compat.probe()
-    if facts.gdn_gate_compiled != "yes":
-        pytest.skip(f"the release's gate is not compiled here ({facts.gdn_gate_compiled})")
-    [rec] = [r for r in gdn_compat.plan(facts, gdn_gate_fp32=True) if r.name == "gdn_gate_fp32"]
-    assert rec.status == "skipped" and "runs compiled" in rec.reason and "already" in rec.reason
-    torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
     a_log = torch.linspace(0.1, 2.7, 8).to(torch.bfloat16)  # megatron's init range, as bf16
     dt = torch.randn(8, generator=gen).to(torch.bfloat16)
     alpha, beta = torch.randn(1, 16, 8, generator=gen), torch.randn(1, 16, 8, generator=gen)
-    g, _ = GatedDeltaNet._compute_g_and_beta(None, a_log, dt, alpha, beta)  # the compiled method (self unused)
+    with torch._dynamo.config.patch(disable=False):  # torch's own patch nests (a MonkeyPatch inside one deletes it)
+        facts = gdn_compat.probe()
+        if facts.gdn_gate_compiled != "yes":
+            pytest.skip(f"the release's gate is not compiled here ({facts.gdn_gate_compiled})")
+        [rec] = [r for r in gdn_compat.plan(facts, gdn_gate_fp32=True) if r.name == "gdn_gate_fp32"]
+        assert rec.status == "skipped" and "runs compiled" in rec.reason and "already" in rec.reason
+        torch._dynamo.reset()
+        g, _ = GatedDeltaNet._compute_g_and_beta(None, a_log, dt, alpha, beta)  # the compiled method (self unused)
+    torch._dynamo.reset()
     want = -a_log.double().exp() * F.softplus(alpha.double() + dt.double())
     err = ((g.double() - want) / want).abs().max().item()
     eager = -a_log.exp() * F.softplus(alpha.float() + dt)  # what the same expression gives without dynamo
