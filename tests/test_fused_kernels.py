@@ -19,8 +19,12 @@ from gdn_compat.fused import conv, gate, norm, reference  # noqa: E402  (after t
 from gdn_compat.fused.region import Spec, region  # noqa: E402
 
 
+@pytest.mark.parametrize("tokens_per_program", [conv.TOKENS_PER_PROGRAM, 64], ids=["default", "ranges-of-64"])
 @pytest.mark.parametrize("norm_qk,bias", [(True, True), (False, False)])
-def test_conv_forward_and_backward_match_per_sequence_torch(norm_qk, bias):
+def test_conv_forward_and_backward_match_per_sequence_torch(norm_qk, bias, tokens_per_program, monkeypatch):
+    # ranges of 64 tokens (2 blocks of 32): sequences cross the backward's ranges, whose last rows need the
+    # next range's da, and each program takes several (range, head) items
+    monkeypatch.setattr(conv, "TOKENS_PER_PROGRAM", tokens_per_program)
     x, w, b = inputs(channels=48, width=4, bias=bias)
     starts, ends = token_bounds(CU, x.shape[0])
     heads, d = 3, 16

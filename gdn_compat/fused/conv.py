@@ -12,13 +12,18 @@ handles ``BT`` tokens of one head; sizes come from shapes only (no host read, gr
 
 The backward recomputes ``a`` (from ``x``, cheap) instead of saving it, and sums in a fixed order with
 no atomics: the conv weight and bias gradients are per-program partial sums over a fixed token range,
-added up afterwards by ``torch.sum`` (run-to-run bitwise). It runs in two passes per section (q, k, v):
-``da`` (the pre-activation gradient, through l2norm and SiLU) into a buffer of x's dtype, then
-``dx[u] = sum_s w[W-1-s] * da[u+s]`` for ``u+s`` in ``u``'s sequence. (One pass that recomputed ``da`` at
-the ``W`` shifted rows in registers measured 3.4 ms at 16k tokens on an H200, fla's conv backward 0.94.)
+added up afterwards by ``torch.sum`` (run-to-run bitwise, and the same on any number of SMs). One kernel per
+section (q, k, v): ``da`` (the pre-activation gradient, through l2norm and SiLU) stays in fp32 in a two-block
+scratch of its program, and ``dx[u] = sum_s w[W-1-s] * da[u+s]`` (``u+s`` in ``u``'s sequence) reads it back
+from there: no ``[T, C]`` buffer of ``da``, no second pass over it. (Measured before, on an H200 at 16k
+tokens: one pass that recomputed ``da`` at the ``W`` shifted rows in registers, 3.4 ms; two passes through a
+bf16 ``da`` buffer, 1.9 ms plus the second pass, and the buffer raised the 64k peak by 0.5 GiB; fla's conv
+backward 0.94 ms.)
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -58,76 +63,74 @@ def _conv_fwd(X, sx, Wc, Bc, STARTS, OUT, T, col0,
 
 
 @triton.jit
-def _conv_grad(X, sx, Wc, Bc, STARTS, DOUT, DA, T, col0, CT, steps, DW, DB,
-               D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, REP: tl.constexpr, NORM: tl.constexpr,
-               HAS_BIAS: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr):
-    """da = d(loss)/d(conv pre-activation) for these heads' channels, and the per-program weight/bias sums."""
-    pid_t = tl.program_id(0)
-    h = tl.program_id(1)
-    nh = tl.num_programs(1)
+def _conv_bwd(X, sx, Wc, Bc, STARTS, ENDS, DOUT, DX, sdx, SCRATCH, DW, DB, T, col0, CT, steps, items, heads,
+              D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, REP: tl.constexpr, NORM: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr):
+    """One section's backward. Work item = (a range of ``steps`` token blocks, one head); program ``p`` takes
+    items p, p+P, ... (a fixed assignment: the partial sums do not depend on scheduling). Blocks run from the
+    range's end backwards, after one extra block (the next range's first, for its first W-1 rows): ``da`` of
+    each block goes to this program's two-slot scratch (fp32, L2-resident), so that the shifted rows
+    ``da[u+s]`` of ``dx[u]`` come from the current slot or from the previous block's."""
+    p = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    j = tl.arange(0, BT)
     cols = tl.arange(0, D)
-    local = h * D + cols  # the channel within this section (DA's column)
-    c = col0 + local
     taps = tl.arange(0, WP)
-    if HAS_BIAS:
-        bias = tl.load(Bc + c).to(tl.float32)
-    else:
-        bias = tl.zeros([D], dtype=tl.float32)
-    dw_acc = tl.zeros([WP, D], dtype=tl.float32)
-    db_acc = tl.zeros([D], dtype=tl.float32)
-    for i in range(steps):
-        rows = (pid_t * steps + i) * BT + tl.arange(0, BT)
-        inb = rows < T
-        start = tl.load(STARTS + rows, mask=inb, other=0)
-        a = tl.zeros([BT, D], dtype=tl.float32) + bias[None, :]
-        for s in tl.static_range(W):
-            src = rows - s
-            ok = inb & (src >= start)
-            x = tl.load(X + src.to(tl.int64)[:, None] * sx + c[None, :], mask=ok[:, None], other=0.0)
-            a += x.to(tl.float32) * tl.load(Wc + c * W + (W - 1 - s)).to(tl.float32)[None, :]
-        sig = tl.sigmoid(a)
-        u = a * sig
-        g = tl.zeros([BT, D], dtype=tl.float32)
-        for r in tl.static_range(REP):  # the repeated heads' gradients, summed in a fixed order
-            at = DOUT + (rows.to(tl.int64)[:, None] * (nh * REP) + h * REP + r) * D + cols[None, :]
-            g += tl.load(at, mask=inb[:, None], other=0.0).to(tl.float32)
-        if NORM:
-            rstd = tl.rsqrt(tl.sum(u * u, 1) + EPS)
-            n = u * rstd[:, None]
-            g = (g - n * tl.sum(g * n, 1)[:, None]) * rstd[:, None]
-        da = tl.where(inb[:, None], g * sig * (1.0 + a * (1.0 - sig)), 0.0)
-        tl.store(DA + rows.to(tl.int64)[:, None] * (nh * D) + local[None, :], da.to(DA.dtype.element_ty),
-                 mask=inb[:, None])
-        db_acc += tl.sum(da, 0)
-        for s in tl.static_range(W):
-            src = rows - s
-            ok = inb & (src >= start)
-            x = tl.load(X + src.to(tl.int64)[:, None] * sx + c[None, :], mask=ok[:, None], other=0.0)
-            part = tl.sum(da * x.to(tl.float32), 0)
-            dw_acc += tl.where(taps[:, None] == (W - 1 - s), part[None, :], 0.0)
-    base = pid_t.to(tl.int64) * CT
-    tl.store(DW + (base + c[None, :]) * W + taps[:, None], dw_acc, mask=(taps < W)[:, None])
-    tl.store(DB + base + c, db_acc)
-
-
-@triton.jit
-def _conv_dx(DA, ENDS, Wc, DX, sdx, T, col0, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr):
-    """dx[u] = sum_s w[W-1-s] * da[u+s] over the ``u+s`` of ``u``'s own sequence."""
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    h = tl.program_id(1)
-    nh = tl.num_programs(1)
-    cols = tl.arange(0, D)
-    local = h * D + cols
-    c = col0 + local
-    inb = rows < T
-    end = tl.load(ENDS + rows, mask=inb, other=0)
-    dx = tl.zeros([BT, D], dtype=tl.float32)
-    for s in tl.static_range(W):
-        src = rows + s
-        ok = inb & (src < end)
-        da = tl.load(DA + src.to(tl.int64)[:, None] * (nh * D) + local[None, :], mask=ok[:, None], other=0.0)
-        dx += da.to(tl.float32) * tl.load(Wc + c * W + (W - 1 - s)).to(tl.float32)[None, :]
-    tl.store(DX + rows.to(tl.int64)[:, None] * sdx + c[None, :], dx.to(DX.dtype.element_ty), mask=inb[:, None])
+    buf = SCRATCH + p.to(tl.int64) * (2 * BT * D)
+    for item in range(p, items, nprog):
+        part = item // heads
+        h = item % heads
+        c = col0 + h * D + cols
+        if HAS_BIAS:
+            bias = tl.load(Bc + c).to(tl.float32)
+        else:
+            bias = tl.zeros([D], dtype=tl.float32)
+        dw_acc = tl.zeros([WP, BT, D], dtype=tl.float32)  # summed over rows once, at the end
+        db_acc = tl.zeros([BT, D], dtype=tl.float32)
+        for it in range(steps + 1):
+            real = it > 0  # it == 0: the next range's first block, only its da is wanted
+            rows = (part * steps + steps - it) * BT + j
+            inb = rows < T
+            start = tl.load(STARTS + rows, mask=inb, other=0)
+            a = tl.zeros([BT, D], dtype=tl.float32) + bias[None, :]
+            for s in tl.static_range(W):
+                src = rows - s
+                x = tl.load(X + src.to(tl.int64)[:, None] * sx + c[None, :], mask=(inb & (src >= start))[:, None],
+                            other=0.0)
+                a += x.to(tl.float32) * tl.load(Wc + c * W + (W - 1 - s)).to(tl.float32)[None, :]
+            sig = tl.sigmoid(a)
+            u = a * sig
+            g = tl.zeros([BT, D], dtype=tl.float32)
+            for r in tl.static_range(REP):  # the repeated heads' gradients, summed in a fixed order
+                at = DOUT + (rows.to(tl.int64)[:, None] * (heads * REP) + h * REP + r) * D + cols[None, :]
+                g += tl.load(at, mask=inb[:, None], other=0.0).to(tl.float32)
+            if NORM:
+                rstd = tl.rsqrt(tl.sum(u * u, 1) + EPS)
+                n = u * rstd[:, None]
+                g = (g - n * tl.sum(g * n, 1)[:, None]) * rstd[:, None]
+            da = tl.where(inb[:, None], g * sig * (1.0 + a * (1.0 - sig)), 0.0)
+            slot = it % 2
+            tl.store(buf + slot * (BT * D) + j[:, None] * D + cols[None, :], da)
+            tl.debug_barrier()  # the slot is read by other threads of this program below
+            db_acc += tl.where(real, da, 0.0)
+            end = tl.load(ENDS + rows, mask=inb, other=0)
+            dx = tl.zeros([BT, D], dtype=tl.float32)
+            for s in tl.static_range(W):
+                src = rows - s
+                x = tl.load(X + src.to(tl.int64)[:, None] * sx + c[None, :],
+                            mask=(inb & (src >= start) & real)[:, None], other=0.0)
+                dw_acc += tl.where(taps[:, None, None] == (W - 1 - s), (da * x.to(tl.float32))[None, :, :], 0.0)
+                ahead = j + s  # row u+s: in this block's slot, or in the previous (later) block's
+                at = tl.where(ahead < BT, slot * BT + ahead, (1 - slot) * BT + ahead - BT)
+                ok = inb & (rows + s < end) & real
+                d = tl.load(buf + at[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
+                dx += d * tl.load(Wc + c * W + (W - 1 - s)).to(tl.float32)[None, :]
+            tl.store(DX + rows.to(tl.int64)[:, None] * sdx + c[None, :], dx.to(DX.dtype.element_ty),
+                     mask=(inb & real)[:, None])
+            tl.debug_barrier()  # every read of the other slot is done before the next block overwrites it
+        base = part.to(tl.int64) * CT
+        tl.store(DW + (base + c[None, :]) * W + taps[:, None], tl.sum(dw_acc, 1), mask=(taps < W)[:, None])
+        tl.store(DB + base + c, tl.sum(db_acc, 0))
 
 
 def _block(d: int) -> int:
@@ -150,21 +153,27 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, starts: t
              dout: torch.Tensor, dx: torch.Tensor, dw_part: torch.Tensor, db_part: torch.Tensor,
              col0: int, heads: int, d: int, rep: int, norm: bool, eps: float) -> None:
     """Write ``dx`` for these heads' columns and their weight/bias partial sums (``dw_part`` ``[P, C, W]``,
-    ``db_part`` ``[P, C]``, P = ``partials(T)``). Two passes: the pre-activation gradient of these channels
-    (into a buffer of x's dtype, one section at a time), then the transposed conv of it."""
+    ``db_part`` ``[P, C]``, P = ``partials(T)``), in one kernel (see ``_conv_bwd``)."""
     T = x.shape[0]
     if heads == 0:
         return
     bt = _block(d)
     width = w.shape[1]
-    da = x.new_empty(T, heads * d)
-    _conv_grad[(dw_part.shape[0], heads)](
-        x, x.stride(0), w, w if b is None else b, starts, dout, da, T, col0, w.shape[0], TOKENS_PER_PROGRAM // bt,
-        dw_part, db_part, D=d, W=width, WP=triton.next_power_of_2(width), REP=rep, NORM=norm,
-        HAS_BIAS=b is not None, BT=bt, EPS=eps, num_warps=4)
-    if T:
-        _conv_dx[(triton.cdiv(T, 32), heads)](da, ends, w, dx, dx.stride(0), T, col0, D=d, W=width, BT=32,
-                                              num_warps=4)
+    items = dw_part.shape[0] * heads
+    programs = min(items, _resident(x.device))
+    scratch = torch.empty(programs, 2, bt, d, device=x.device, dtype=torch.float32)
+    _conv_bwd[(programs,)](
+        x, x.stride(0), w, w if b is None else b, starts, ends, dout, dx, dx.stride(0), scratch, dw_part, db_part, T,
+        col0, w.shape[0], TOKENS_PER_PROGRAM // bt, items, heads, D=d, W=width, WP=triton.next_power_of_2(width),
+        REP=rep, NORM=norm, HAS_BIAS=b is not None, BT=bt, EPS=eps, num_warps=4)
+
+
+@functools.cache
+def _resident(device: torch.device) -> int:
+    """How many backward programs run at once: a few per SM on a GPU (each has its own scratch), 2 on the CPU."""
+    if device.type != "cuda":
+        return 2
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def partials(tokens: int) -> int:
