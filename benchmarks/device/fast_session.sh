@@ -11,7 +11,7 @@ source benchmarks/device/lib.sh  # environment, carried caches, step/finish
 step fused 200 $(PP 0.19.2) $PT tests/gpu/test_fast_gpu.py -k "fused and not flashqla"
 step bench 120 $(PP 0.19.2) python3 -m benchmarks.bench_fast --configs default,fused --json $LOGS/fast-0.19.2.json
 for v in 0.17.1 0.16.1; do step upstream-$v 30 $(PP $v) $PT tests/gpu/test_upstream_thd_gpu.py; done
-step qla 100 $(PP 0.19.2) $PT tests/gpu/test_fast_gpu.py -k "flashqla and (edges or refuses or default)"
+step qla 100 $(PP 0.19.2) $PT tests/gpu/test_fast_gpu.py -k "flashqla"
 step bench-qla 40 $(PP 0.19.2) python3 -m benchmarks.bench_fast --configs default,flashqla,fused+flashqla --rounds 2 \
   --no-stack --json $LOGS/fast-qla-0.19.2.json
 finish "passed\|failed\|Error\|error\|^\[\|^  \|ratio\|bitwise\|^megatron-core\|^config\|^default\|^fused\|^flashqla\|outside"

@@ -72,9 +72,14 @@ def _as_dict(run) -> dict:
     return {"out": out, "dx": dx, **grads}
 
 
+DRAWS = 4  # output gradients per pack: A_log and dt_bias have one value per head (32), so one draw's
+# relative error is itself a noisy number (H200, fla core, one draw at 16k: FlashQLA's A_log ratio 1.095 and
+# 0.859 on the edges pack, fused+FlashQLA 1.196 and 0.810); the bar is judged on the errors pooled over DRAWS
+
+
 @pytest.fixture(scope="module")
 def truth():
-    """{pack: (layer, x, dy, fp32 truth)}, the truth computed once per pack."""
+    """{pack: (layer, x, [dy per draw], [fp32 truth per draw])}, the truth computed once per pack and draw."""
     layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=3, **QWEN3_NEXT)
     ref = build_gdn(device="cuda", dtype=torch.float32, deterministic=True, seed=3, **QWEN3_NEXT)
     ref.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
@@ -83,44 +88,56 @@ def truth():
     for name, lengths in PACKS.items():
         gen = torch.Generator(device="cuda").manual_seed(11)
         x = torch.randn(sum(lengths), 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
-        dy = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        dys = [torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(DRAWS)]
         cu = offsets(lengths)
-        ref.zero_grad(set_to_none=True)
-        outs, dxs = [], []
-        for a, b in zip(cu, cu[1:]):
-            if b == a:
-                continue
-            xi = x[a:b].float().detach().requires_grad_(True)
-            oi = ref(xi, None)[0]
-            oi.backward(dy[a:b].float())
-            outs.append(oi.detach())
-            dxs.append(xi.grad)
-        out[name] = (layer, x, dy, {"out": torch.cat(outs), "dx": torch.cat(dxs),
-                                    **{n: p.grad.detach().clone() for n, p in ref.named_parameters()}})
+        wants = []
+        for dy in dys:
+            ref.zero_grad(set_to_none=True)
+            outs, dxs = [], []
+            for a, b in zip(cu, cu[1:]):
+                if b == a:
+                    continue
+                xi = x[a:b].float().detach().requires_grad_(True)
+                oi = ref(xi, None)[0]
+                oi.backward(dy[a:b].float())
+                outs.append(oi.detach())
+                dxs.append(xi.grad)
+            wants.append({"out": torch.cat(outs), "dx": torch.cat(dxs),
+                          **{n: p.grad.detach().clone() for n, p in ref.named_parameters()}})
+        out[name] = (layer, x, dys, wants)
     return out
+
+
+def pooled(got: list[dict], want: list[dict], name: str) -> float:
+    """Relative L2 error of ``name`` over every draw together."""
+    num = sum((g[name].float() - w[name].float()).norm() ** 2 for g, w in zip(got, want))
+    den = sum(w[name].float().norm() ** 2 for w in want)
+    return (num / den.clamp_min(1e-30)).sqrt().item()
 
 
 @pytest.mark.parametrize("pack", list(PACKS))
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_no_farther_from_fp32_truth_than_the_default_bf16_path(truth, pack, config, caplog):
     switches = _config(config)
-    layer, x, dy, want = truth[pack]
+    layer, x, dys, want = truth[pack]
     with gdn_compat.applied():  # zero-length entries dropped: native 0.19.2 returned NaN with them (H200, fla 0.4.2)
-        default = _as_dict(packed_run(layer, x, _psp([n for n in PACKS[pack] if n]), dy))
+        default = [_as_dict(packed_run(layer, x, _psp([n for n in PACKS[pack] if n]), dy)) for dy in dys]
     with caplog.at_level(logging.INFO, logger="gdn_compat"), gdn_compat.applied(**switches) as report:
         assert all(report[n].status == "applied" for n in switches), report
-        fast = _as_dict(packed_run(layer, x, _psp(PACKS[pack]), dy))
+        fast = [_as_dict(packed_run(layer, x, _psp(PACKS[pack]), dy)) for dy in dys]
     assert NOT_USED not in caplog.text, caplog.text
     lines, worst = [], 0.0
-    for name in want:
-        e_default, e_fast = rel(default[name], want[name]), rel(fast[name], want[name])
+    for name in want[0]:
+        e_default, e_fast = pooled(default, want, name), pooled(fast, want, name)
         ratio = e_fast / max(e_default, 1e-12)
         worst = max(worst, ratio)
-        lines.append(f"  {name:<20} default {e_default:.2e}  {config} {e_fast:.2e}  ratio {ratio:.3f}")
-    print(f"\n[fast-numerics {MEGATRON} {pack} {config}] relative L2 error to the fp32 truth (worst ratio "
-          f"{worst:.3f}):\n" + "\n".join(lines))
-    for name in want:
-        assert rel(fast[name], want[name]) <= 1.1 * rel(default[name], want[name]) + 1e-6, name
+        draws = [rel(f[name], w[name]) / max(rel(d[name], w[name]), 1e-12) for f, d, w in zip(fast, default, want)]
+        lines.append(f"  {name:<20} default {e_default:.2e}  {config} {e_fast:.2e}  ratio {ratio:.3f}  "
+                     f"(draws {' '.join(f'{r:.3f}' for r in draws)})")
+    print(f"\n[fast-numerics {MEGATRON} {pack} {config}] relative L2 error to the fp32 truth over {DRAWS} output "
+          f"gradients (worst ratio {worst:.3f}):\n" + "\n".join(lines))
+    for name in want[0]:
+        assert pooled(fast, want, name) <= 1.1 * pooled(default, want, name) + 1e-6, name
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic_mode"])
