@@ -108,6 +108,10 @@ def test_gated_norm_forward_and_backward_match_the_formula(zc):
     torch.testing.assert_close(do.double(), orf.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx[:, 9:9 + H * D].double(), zr.grad.reshape(T, H * D), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dw.double(), wr.grad, rtol=1e-5, atol=1e-5)
+    dz_alone = torch.full_like(x, float("nan"))  # the region's later pass: dz alone, into dx's z columns
+    norm.norm_dz(dy, o, x, w, dz_alone[:, 9:9 + H * D], z_col=9, eps=1e-5, zc=zc)
+    torch.testing.assert_close(dz_alone[:, 9:9 + H * D].double(), zr.grad.reshape(T, H * D), rtol=1e-5, atol=1e-5)
+    assert dz_alone[:, :9].isnan().all() and dz_alone[:, 9 + H * D:].isnan().all()  # no column outside z written
 
 
 def test_region_forward_and_every_gradient_match_the_torch_reference():

@@ -10,7 +10,8 @@ Forward saves ``x`` (which the release keeps alive too: its conv, gate and norm 
 the core's output ``o`` and what the core itself needs (its chunked gate and WY matrix); q, k, v, g and
 beta are recomputed in backward from ``x`` (one cheap kernel pass) instead of being stored. The backward
 writes every column of ``dx`` once (conv channels, z, b, a): no zero fill, no concatenation; it allocates ``dx``
-only after the core's backward, the peak of the region.
+only after the core's backward, the peak of the region, and computes ``dz`` (a second, cheap pass of the
+norm's backward) straight into it then, so that no buffer of ``dz`` is alive across the core.
 Nothing here knows about megatron; ``Spec`` carries the shapes and the core.
 """
 
@@ -89,15 +90,14 @@ class Region(torch.autograd.Function):
         spec: Spec = ctx.spec
         T = x.shape[0]
         k_col, v_col, z_col, b_col, a_col = spec.columns()
-        dz = x.new_empty(T, spec.hv * spec.dv)  # dx is allocated after the core: a lower peak
-        do, dnorm_w = norm.norm_bwd(dy.reshape(o.shape), o, x, norm_w, dz, z_col, spec.norm_eps,
-                                    1.0 if spec.zero_centered else 0.0)
+        zc = 1.0 if spec.zero_centered else 0.0
+        do, dnorm_w = norm.norm_bwd(dy.reshape(o.shape), o, x, norm_w, None, z_col, spec.norm_eps, zc)
         q, k, v, g, beta = prepare(x, conv_w, conv_b, a_log, dt_bias, starts, spec)
         dq, dk, dv, dg, dbeta = spec.core.backward(q, k, v, g, beta, tuple(saved), do[None])
         del q, k, v, g, beta, do
-        dx = torch.empty_like(x)
-        dx[:, z_col:z_col + dz.shape[1]].copy_(dz)
-        del dz
+        dx = torch.empty_like(x)  # after the core's backward, the region's peak; dz goes straight into it
+        norm.norm_dz(dy.reshape(o.shape), o, x, norm_w, dx[:, z_col:z_col + spec.hv * spec.dv], z_col,
+                     spec.norm_eps, zc)
         w = conv_w.reshape(conv_w.shape[0], conv_w.shape[-1])
         parts = conv.partials(T)
         dw_part = x.new_empty(parts, w.shape[0], w.shape[1], dtype=torch.float32)
