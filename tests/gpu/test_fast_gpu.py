@@ -3,7 +3,8 @@
 Truth: the same layer's weights in fp32, ``deterministic_mode`` (the release's pure-torch conv and chunked delta
 rule: no TF32, no Triton), every sequence alone. Bar: each of output, input grad and every parameter grad of
 a fast configuration is no farther from the truth than the release's default packed bf16 path is (native THD on
-0.18/0.19, gdn_thd on 0.16/0.17, which is bitwise native 0.19.2), ratio <= 1.1. Every fast configuration must
+0.18/0.19, gdn_thd on 0.16/0.17, which is bitwise native 0.19.2), ratio <= 1.1, the errors pooled over DRAWS
+output gradients of the same inputs (each draw's ratio is printed too). Every fast configuration must
 really run (no "not used" line in the log). Speed is in benchmarks/bench_fast.py, not here.
 """
 
