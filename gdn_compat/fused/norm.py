@@ -5,7 +5,7 @@
 ``o`` is the delta rule's output ``[T, H, D]``; ``z`` is read straight from its columns of the input
 projection's output ``x`` (a strided view, no copy); ``y`` ``[T, H*D]`` is the output projection's
 input. Computed in fp32 and rounded once (the release rounds the norm's output, then the product).
-The backward recomputes the norm from ``o``, writes ``dz`` where it is told and returns ``do``;
+The backward recomputes the norm from ``o``: one pass returns ``do``, another writes ``dz`` where it is told;
 the norm weight's gradient is a per-program partial sum (no atomics), added up by ``torch.sum``.
 """
 
@@ -38,9 +38,9 @@ def _norm_fwd(OUT, X, sx, NW, Y, T, z_col, ZC: tl.constexpr, D: tl.constexpr, BT
 
 @triton.jit
 def _norm_bwd(DY, OUT, X, sx, NW, DO, DZ, sdz, DW_PART, T, z_col, steps, ZC: tl.constexpr, D: tl.constexpr,
-              BT: tl.constexpr, EPS: tl.constexpr, WANT_DO: tl.constexpr, WANT_DZ: tl.constexpr):
-    """``do`` and the weight's partial sums (WANT_DO), and/or ``dz`` (WANT_DZ): the region asks for ``dz`` only
-    after the core's backward, straight into dx, so that no ``[T, H*D]`` buffer of it is alive at the peak."""
+              BT: tl.constexpr, EPS: tl.constexpr, DZ_ONLY: tl.constexpr):
+    """``do`` and the weight's partial sums, or (DZ_ONLY) ``dz`` alone: the region asks for ``dz`` after the core's
+    backward, straight into dx, so that no ``[T, H*D]`` buffer of it is alive at the peak."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     nh = tl.num_programs(1)
@@ -60,16 +60,16 @@ def _norm_bwd(DY, OUT, X, sx, NW, DO, DZ, sdz, DW_PART, T, z_col, steps, ZC: tl.
         rstd = tl.rsqrt(tl.sum(o * o, 1) / D + EPS)
         r = o * rstd[:, None]
         nw = r * w[None, :]
-        if WANT_DZ:
+        if DZ_ONLY:
             dz = dy * nw * sig * (1.0 + z * (1.0 - sig))
             tl.store(DZ + rows.to(tl.int64)[:, None] * sdz + h * D + cols[None, :], dz.to(DZ.dtype.element_ty),
                      mask=ok)
-        if WANT_DO:
+        else:
             dw += tl.sum(dy * act * r, 0)
             dr = dy * act * w[None, :]
             do = (dr - r * (tl.sum(dr * r, 1) / D)[:, None]) * rstd[:, None]
             tl.store(DO + at, do.to(DO.dtype.element_ty), mask=ok)
-    if WANT_DO:
+    if not DZ_ONLY:
         tl.store(DW_PART + (pid * nh + h).to(tl.int64) * D + cols, dw)
 
 
@@ -84,28 +84,26 @@ def norm_fwd(o: torch.Tensor, x: torch.Tensor, w: torch.Tensor, z_col: int, eps:
     return y
 
 
-def norm_bwd(dy: torch.Tensor, o: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dz: torch.Tensor | None,
-             z_col: int, eps: float, zc: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (do ``[T, H, D]`` in o's dtype, dw fp32 ``[D]``); also writes dz into ``dz`` ``[T, H*D]`` (any row
-    stride: a buffer, or dx's z columns) when one is given (``norm_dz`` writes it alone)."""
+def norm_bwd(dy: torch.Tensor, o: torch.Tensor, x: torch.Tensor, w: torch.Tensor, z_col: int, eps: float,
+             zc: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(do ``[T, H, D]`` in o's dtype, dw fp32 ``[D]``); ``norm_dz`` writes dz."""
     T, heads, d = o.shape
     bt = 16
     steps = TOKENS_PER_PROGRAM // bt
     parts = max(1, triton.cdiv(T, TOKENS_PER_PROGRAM))
     do = torch.empty_like(o)
     dw_part = torch.empty(parts, heads, d, device=o.device, dtype=torch.float32)
-    _norm_bwd[(parts, heads)](dy.contiguous(), o, x, x.stride(0), w, do, do if dz is None else dz,
-                              0 if dz is None else dz.stride(0), dw_part, T, z_col, steps, ZC=zc, D=d, BT=bt, EPS=eps,
-                              WANT_DO=True, WANT_DZ=dz is not None, num_warps=4)
+    _norm_bwd[(parts, heads)](dy.contiguous(), o, x, x.stride(0), w, do, do, 0, dw_part, T, z_col, steps, ZC=zc, D=d,
+                              BT=bt, EPS=eps, DZ_ONLY=False, num_warps=4)
     return do, dw_part.sum((0, 1))
 
 
 def norm_dz(dy: torch.Tensor, o: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dz: torch.Tensor, z_col: int,
             eps: float, zc: float) -> None:
-    """Writes dz alone into ``dz`` ``[T, H*D]`` (any row stride)."""
+    """Writes dz into ``dz`` ``[T, H*D]`` (any row stride: a buffer, or dx's z columns)."""
     T, heads, d = o.shape
     if T == 0:
         return
     bt = 16
     _norm_bwd[(triton.cdiv(T, bt), heads)](dy.contiguous(), o, x, x.stride(0), w, dz, dz, dz.stride(0), dz, T, z_col,
-                                           1, ZC=zc, D=d, BT=bt, EPS=eps, WANT_DO=False, WANT_DZ=True, num_warps=4)
+                                           1, ZC=zc, D=d, BT=bt, EPS=eps, DZ_ONLY=True, num_warps=4)

@@ -91,7 +91,7 @@ class Region(torch.autograd.Function):
         T = x.shape[0]
         k_col, v_col, z_col, b_col, a_col = spec.columns()
         zc = 1.0 if spec.zero_centered else 0.0
-        do, dnorm_w = norm.norm_bwd(dy.reshape(o.shape), o, x, norm_w, None, z_col, spec.norm_eps, zc)
+        do, dnorm_w = norm.norm_bwd(dy.reshape(o.shape), o, x, norm_w, z_col, spec.norm_eps, zc)
         q, k, v, g, beta = prepare(x, conv_w, conv_b, a_log, dt_bias, starts, spec)
         dq, dk, dv, dg, dbeta = spec.core.backward(q, k, v, g, beta, tuple(saved), do[None])
         del q, k, v, g, beta, do
