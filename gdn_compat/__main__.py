@@ -66,7 +66,8 @@ def flashqla_status(facts: Any) -> str:
         import flash_qla  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - the finding is the reason
         return f"{facts.flashqla} present, fails to import on {facts.gpu}: {type(exc).__name__}: {str(exc)[:160]}"
-    return f"{facts.flashqla} usable on {facts.gpu} (atomic-free source: {facts.flashqla_atomic_free})"
+    return (f"{facts.flashqla} usable on {facts.gpu} (atomic-free source: {facts.flashqla_atomic_free}; chunk metadata "
+            f"from the offsets, so CUDA-graph capture: {facts.flashqla_metadata})")
 
 
 def _fused_status(f: dict[str, Any]) -> str:

@@ -158,6 +158,7 @@ class Facts:
     fla_flashqla_off: bool = False  # FLA_FLASH_QLA=0 turns that routing off
     flashqla: Dist | None = None  # flash-qla, read from its metadata (importing it needs CUDA and tilelang)
     flashqla_atomic_free: Accepts = Accepts.ABSENT  # FlashQLA's source has no atomics (read from its files)
+    flashqla_metadata: Accepts = Accepts.ABSENT  # FlashQLA takes a pack's chunk metadata attached to its offsets
     gdn: Layout = Layout.ABSENT
     gdn_file: str | None = None
     gdn_thd: Thd = Thd.ABSENT
@@ -580,6 +581,28 @@ def _probe_flashqla(out: dict[str, Any]) -> None:
     out["flashqla_atomic_free"] = Accepts.NO if hits or not files else Accepts.YES
     out["notes"]["flashqla_atomic_free"] = (f"{len(files)} files read; " + (f"atomics: {', '.join(hits)}" if hits
                                             else "none has atomics or scatter-adds"))
+    index = next((f for f in files if str(f).replace("\\", "/").endswith("flash_qla/utils/index.py")), None)
+    text = (index.read_text() or "") if index is not None else ""
+    out["flashqla_metadata"], out["notes"]["flashqla_metadata"] = _flashqla_metadata(text)
+
+
+FLASHQLA_METADATA = "_flash_qla_prepared_varlen"
+
+
+def _flashqla_metadata(source: str) -> tuple[Accepts, str]:
+    """Whether FlashQLA's index helpers (``flash_qla/utils/index.py``) take a pack's chunk metadata from an attribute
+    of its offsets tensor, as (chunk size, chunk offsets, chunk count, chunk indices), before any cache or host read
+    (flash-qla 0.1.3's ``prepare_varlen_metadata`` attaches it so; ``prepare_chunk_indices`` returns ``prepared[3]``,
+    ``prepare_chunk_offsets`` ``prepared[1:3]``). Then gdn_compat can attach metadata built by device ops, of fixed
+    size, and a CUDA graph of a FlashQLA step replays any layout."""
+    if not source:
+        return Accepts.UNKNOWN, "flash_qla/utils/index.py not found among its files"
+    wanted = (f'getattr(cu_seqlens, "{FLASHQLA_METADATA}", None)', "return prepared[3]", "return prepared[1:3]",
+              "prepared[0] == chunk_size")
+    missing = [w for w in wanted if w not in source]
+    if missing:
+        return Accepts.NO, f"flash_qla/utils/index.py lacks {missing}: chunk metadata is read on the host"
+    return Accepts.YES, f"flash_qla/utils/index.py reads {FLASHQLA_METADATA} (size, offsets, count, indices)"
 
 
 def _fla_flashqla_backend() -> Accepts:
@@ -665,7 +688,7 @@ def _facts(out: dict[str, Any]) -> Facts:
              "gdn_init_cp_comm_type": Accepts, "gdn_backward_dw": Accepts, "gdn_out_norm_tp_sum": Accepts, "gdn_thd_deterministic": Accepts,
              "fla_atomic_free": Accepts, "fla_blackwell_wy_guard": Accepts, "fla_flashqla_backend": Accepts,
              "gdn_gate_compiled": Accepts,
-             "flashqla_atomic_free": Accepts}
+             "flashqla_atomic_free": Accepts, "flashqla_metadata": Accepts}
     for field, kind in enums.items():
         if field in out:
             out[field] = kind(out[field])

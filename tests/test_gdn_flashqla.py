@@ -73,3 +73,103 @@ def test_the_region_hands_flashqla_unrepeated_qk_and_long_offsets_and_matches_th
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad.double(), grads_ref[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+# --- graph-safe packs: the chunk metadata gdn_compat attaches for FlashQLA, built by device ops -------------------
+
+def _device_pack(lengths, slots):
+    """The graph-safe pack of ``lengths`` in a buffer of ``slots`` sequences (unused slots are empty entries at the
+    end), as a captured step builds it."""
+    from gdn_compat.patches.gdn_thd import pack as P
+
+    cu = torch.tensor(offsets(lengths) + [sum(lengths)] * (slots - len(lengths)), dtype=torch.int32)
+    return P.device_pack({"cu_seqlens_q": cu, "cu_seqlens_kv": cu}, sum(lengths), torch.device("cpu"), 1)
+
+
+METADATA_LAYOUTS = {
+    "rl-like": [700, 1500, 2000, 64, 1],
+    "empty entries in the middle": [700, 0, 1500, 0, 0, 2000],
+    "leading empty entry": [0, 63, 64, 65, 0, 129],
+    "one sequence": [4096],
+    "length-1 sequences": [1, 1, 1, 1, 128],
+}
+
+
+@pytest.mark.parametrize("lengths", list(METADATA_LAYOUTS.values()), ids=list(METADATA_LAYOUTS))
+def test_device_chunk_metadata_covers_every_token_once_within_its_sequence(lengths):
+    """What FlashQLA's chunked kernels do with the metadata (flash_qla 0.1.3: each chunk-table row (sequence s,
+    chunk c) handles tokens [cu[s] + 64c, min(cu[s] + 64c + 64, cu[s+1])), and masks a row past its sequence's end;
+    each sequence's chunk states sit at chunk_offsets[s] + i, i < ceil(len/64), below the chunk count), replayed in
+    plain Python over the attached metadata: every token is covered exactly once, by a row of its own sequence, and
+    no sequence's chunk states overlap another's or exceed the count."""
+    from gdn_compat._probe import FLASHQLA_METADATA
+    from gdn_compat.patches.gdn_thd.fast import device_metadata
+
+    pack = _device_pack(lengths, slots=12)
+    cu = device_metadata(pack)
+    size, chunk_offsets, count, table = getattr(cu, FLASHQLA_METADATA)
+    assert size == 64 and cu.dtype == chunk_offsets.dtype == table.dtype == torch.int64
+    bounds = cu.tolist()
+    spans = [(a, b) for a, b in zip(bounds, bounds[1:])]
+    want = [(a, b) for a, b in zip(offsets(lengths), offsets(lengths)[1:]) if b > a]
+    assert [s for s in spans if s[1] > s[0]] == want  # the same sequences, in order
+    first_empty = next((i for i, (a, b) in enumerate(spans) if a == b), len(spans))
+    assert all(a == b == sum(lengths) for a, b in spans[first_empty:])  # empty entries only at the end, at T
+    assert first_empty > 0  # FlashQLA's backward reads the row before an empty sequence's start
+    covered = [0] * sum(lengths)
+    for s, c in table.tolist():
+        lo, hi = spans[s][0] + 64 * c, min(spans[s][0] + 64 * c + 64, spans[s][1])
+        for t in range(lo, hi):
+            covered[t] += 1
+    assert covered == [1] * sum(lengths)
+    states = [set(range(chunk_offsets[s], chunk_offsets[s] + -(-(b - a) // 64))) for s, (a, b) in enumerate(spans)]
+    assert sum(map(len, states)) == len(set().union(*states)) and max(set().union(*states)) < count
+    assert table.shape[0] == count == pack.chunks.shape[0]  # fixed by shapes: T // 64 + N + 1 rows
+
+
+def test_device_chunk_metadata_rows_match_flashqlas_own_numbering_without_empty_entries():
+    """Without empty entries, the real rows are FlashQLA's own table (its prepare_varlen_metadata numbers rows
+    (sequence, chunk) in order; written here from its documented layout, not imported: it needs CUDA)."""
+    from gdn_compat._probe import FLASHQLA_METADATA
+    from gdn_compat.patches.gdn_thd.fast import device_metadata
+
+    lengths = [129, 64, 1, 300]
+    cu = device_metadata(_device_pack(lengths, slots=len(lengths)))
+    _, chunk_offsets, _, table = getattr(cu, FLASHQLA_METADATA)
+    want = [(s, c) for s, n in enumerate(lengths) for c in range(-(-n // 64))]
+    assert [tuple(r) for r in table.tolist()[:len(want)]] == want
+    assert chunk_offsets.tolist()[:len(lengths) + 1] == [0, 3, 4, 5, 10]
+
+
+def test_a_captured_step_without_flashqlas_metadata_contract_is_refused_with_a_clear_error():
+    from gdn_compat.patches.gdn_thd import fast
+
+    class CudaLike:  # the refusal comes before anything touches the tensor
+        is_cuda = True
+
+    layer = build_gdn("cpu")
+    with pytest.raises(RuntimeError, match="does not take a pack's chunk metadata"):
+        fast.flashqla_skip(fast.Fast(flashqla=True), layer, None, CudaLike(), _device_pack([3, 5], slots=4))
+
+
+def test_the_probe_reads_flashqlas_metadata_contract_from_its_index_helpers():
+    from gdn_compat._probe import Accepts, _flashqla_metadata
+
+    reads = '''
+def prepare_chunk_indices(cu_seqlens, chunk_size):
+    prepared = getattr(cu_seqlens, "_flash_qla_prepared_varlen", None)
+    if prepared is not None and prepared[0] == chunk_size:
+        return prepared[3]
+    return _fallback(cu_seqlens, chunk_size)
+
+def prepare_chunk_offsets(cu_seqlens, chunk_size):
+    prepared = getattr(cu_seqlens, "_flash_qla_prepared_varlen", None)
+    if prepared is not None and prepared[0] == chunk_size:
+        return prepared[1:3]
+    return _fallback_offsets(cu_seqlens, chunk_size)
+'''
+    assert _flashqla_metadata(reads)[0] is Accepts.YES
+    older = "def prepare_chunk_indices(cu_seqlens, chunk_size):\n    return _fallback(cu_seqlens, chunk_size)\n"
+    status, why = _flashqla_metadata(older)
+    assert status is Accepts.NO and "read on the host" in why
+    assert _flashqla_metadata("")[0] is Accepts.UNKNOWN

@@ -12,8 +12,11 @@ than sm90/sm100/sm103, head dims other than 128, activations not bf16/fp16, ``fl
 or ``deterministic_mode`` with a FlashQLA whose source holds atomics (0.1.3 holds none: its kernels are
 bitwise run to run, README). Context parallelism: after gdn_compat's all-to-all each rank holds whole
 sequences of its heads, which FlashQLA runs as any pack; FlashQLA's own intra-card CP (``auto_cp``) stays
-off. CUDA-graph capture, or offsets from a ``gdn_compat.graphs.PackBuffer``: refused with an error, because
-FlashQLA sizes its kernels by a chunk count it reads on the host. Needs flash-qla >= 0.1.3 (earlier releases
+off. CUDA-graph capture, or offsets from a ``gdn_compat.graphs.PackBuffer``: FlashQLA takes a pack's chunk
+metadata attached to its offsets tensor (flash-qla 0.1.3's ``flash_qla.utils.index``; the probe reads that file),
+so gdn_compat hands it metadata built by device ops with sizes from shapes only, and one capture replays any
+layout; where the installed FlashQLA does not read that attribute, such a call is refused with an error (it
+would read a chunk count on the host). Needs flash-qla >= 0.1.3 (earlier releases
 have a wrong dg for strong decay and an SM90 backward tail-padding bug). Off by default:
 ``apply(gdn_flashqla=True)`` or ``GDN_COMPAT_ENABLE=gdn_flashqla``.
 """
@@ -56,7 +59,8 @@ def decide(facts: Facts) -> str | None:
 
 
 def build(facts: Facts, original: Any) -> Any:
-    paths = Fast(flashqla=True, flashqla_deterministic=facts.flashqla_atomic_free is Accepts.YES)
+    paths = Fast(flashqla=True, flashqla_deterministic=facts.flashqla_atomic_free is Accepts.YES,
+                 flashqla_graphs=facts.flashqla_metadata is Accepts.YES)
     return route(facts, original, lambda layer: True, paths)
 
 

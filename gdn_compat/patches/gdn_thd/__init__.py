@@ -131,8 +131,7 @@ def fast_below(original: Any) -> Fast:
     found, func = Fast(), original
     while getattr(func, MARKER, None):
         below = getattr(func, FAST, None) or Fast()
-        found = Fast(found.flashqla or below.flashqla, found.fused or below.fused,
-                     found.flashqla_deterministic or below.flashqla_deterministic)
+        found = found | below
         func = getattr(func, "__wrapped__", None)
     return found
 
@@ -164,8 +163,7 @@ def route(facts: Facts, original: Any, takes: Callable[[Any], bool], paths: Fast
     (or a route over it), or on 0.16/0.17 gdn_thd's replacement (or a route over it); the wrapper has that
     release's signature. ``paths`` (and those of routes underneath) choose the core's opt-in paths."""
     below = fast_below(original)
-    paths = Fast(paths.flashqla or below.flashqla, paths.fused or below.fused,
-                 paths.flashqla_deterministic or below.flashqla_deterministic)
+    paths = paths | below
     core = Core(sys.modules[original.__module__], facts.fla_varlen, facts.fla_atomic_free, paths)
 
     def packed(self, hidden_states, packed_seq_params, inference_context, inference_params) -> bool:

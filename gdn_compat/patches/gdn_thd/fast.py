@@ -7,8 +7,11 @@
   around whichever delta-rule core applies (FlashQLA's when ``flashqla`` is on too, else fla's).
 
 A call that cannot take a path keeps the default one, and the reason is logged once per process (INFO on the
-``gdn_compat`` logger). Two cases are errors instead, because no fallback could be silent there: FlashQLA
-under CUDA-graph capture or with a ``PackBuffer`` (it sizes its kernels by a chunk count read on the host).
+``gdn_compat`` logger). One case is an error instead, because no fallback could be silent there: FlashQLA
+under CUDA-graph capture or with a ``PackBuffer`` when the installed FlashQLA does not take a pack's chunk
+metadata from its offsets tensor (then it would read a chunk count on the host). Where it does (flash-qla
+0.1.3), a graph-safe pack hands FlashQLA metadata built by device ops with sizes from shapes only
+(``flashqla_cu``), so one capture replays any layout, as with fla.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any
 
 import torch
 
-from gdn_compat.patches.gdn_thd.pack import Pack
+from gdn_compat._probe import FLASHQLA_METADATA
+from gdn_compat.patches.gdn_thd.pack import CHUNK, Pack, chunk_indices
 
 log = logging.getLogger("gdn_compat")
 FLASHQLA_GPUS = ((9, 0), (10, 0), (10, 3))  # the sm90 / sm100 / sm103 kernels with a backward
@@ -32,9 +36,14 @@ class Fast:
     flashqla: bool = False
     fused: bool = False
     flashqla_deterministic: bool = False  # the probe found FlashQLA's source free of atomics
+    flashqla_graphs: bool = False  # the probe found FlashQLA taking chunk metadata attached to its offsets
 
     def __bool__(self) -> bool:
         return self.flashqla or self.fused
+
+    def __or__(self, other: Fast) -> Fast:
+        """Both sets of paths (the switches combine): every field of either."""
+        return Fast(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
 NONE = Fast()  # the default paths only
@@ -53,19 +62,23 @@ def flashqla() -> Any:
     return flash_qla
 
 
-CAPTURE_REFUSAL = ("gdn_compat gdn_flashqla: FlashQLA sizes its kernels by the pack's chunk count, read on the host, "
-                   "so a packed GDN step through it cannot be captured in a CUDA graph that replays other layouts (nor "
-                   "take offsets from a gdn_compat.graphs.PackBuffer); apply(gdn_flashqla=False) for a captured step")
+CAPTURE_REFUSAL = ("gdn_compat gdn_flashqla: the installed FlashQLA does not take a pack's chunk metadata from its "
+                   "offsets tensor ({why}), so it would size its kernels by a chunk count read on the host: a packed GDN "
+                   "step through it cannot be captured in a CUDA graph that replays other layouts (nor take offsets "
+                   "from a gdn_compat.graphs.PackBuffer); install flash-qla 0.1.3 or apply(gdn_flashqla=False) for a "
+                   "captured step")
 
 
 def flashqla_skip(fast: Fast, layer: Any, loc: Any, x: torch.Tensor, pack: Pack) -> str | None:
     """None when this call's delta rule runs through FlashQLA, else why not (logged by the caller)."""
     if not fast.flashqla:
         return "off"
-    if pack.cu_cpu is None and x.is_cuda:
-        raise RuntimeError(CAPTURE_REFUSAL)
+    if pack.cu_cpu is None and x.is_cuda and not fast.flashqla_graphs:
+        raise RuntimeError(CAPTURE_REFUSAL.format(why="the probe's flashqla_metadata fact"))
     if not x.is_cuda:
         return "FlashQLA needs a CUDA tensor"
+    if x.shape[0] == 0:
+        return "an empty pack (no tokens)"
     capability = tuple(torch.cuda.get_device_capability(x.device))
     if capability not in FLASHQLA_GPUS:
         return f"FlashQLA's kernels with a backward are for sm90/sm100/sm103, this GPU is sm_{capability[0]}{capability[1]}"
@@ -83,12 +96,24 @@ def flashqla_skip(fast: Fast, layer: Any, loc: Any, x: torch.Tensor, pack: Pack)
 
 
 def flashqla_cu(pack: Pack) -> torch.Tensor:
-    """A device copy of the pack's offsets that only FlashQLA sees, with its chunk metadata attached from the
-    host offsets (no device-to-host read in its kernels' launches). Kept for the pack's lifetime: FlashQLA
-    caches by tensor identity, so it must never see a tensor whose values change."""
+    """A device copy of the pack's offsets (int64, as FlashQLA documents) that only FlashQLA sees, with its chunk
+    metadata attached (``flash_qla.utils.index``: chunk size, chunk offsets, chunk count, chunk indices), so no
+    launch of its kernels reads anything on the host. Host pack: FlashQLA's own ``prepare_varlen_metadata`` from
+    the host offsets, kept for the pack's lifetime (FlashQLA caches by tensor identity, so it must never see a
+    tensor whose values change). Device pack (graph-safe): built here by device ops with sizes from shapes only,
+    the pack's fixed ``T // 64 + N + 1``-row chunk table (rows past the real chunks point at the appended empty
+    sequence, which FlashQLA's chunked kernels mask like any chunk past a sequence's end) and that row count as
+    the chunk count (it only sizes the chunk states of the backward, indexed by the per-sequence chunk offsets)."""
     key = ("flashqla_cu",)
-    if key not in pack.memo:
-        assert pack.cu_cpu is not None
+    if key in pack.memo:
+        return pack.memo[key]
+    if pack.cu_cpu is None:
+        size = getattr(_chunk_module(), "CHUNK_SIZE", None)
+        if size != CHUNK:
+            raise RuntimeError(CAPTURE_REFUSAL.format(why=f"its chunk size on this GPU is {size}, gdn_compat's chunk "
+                                                          f"table is for {CHUNK}"))
+        cu = device_metadata(pack)
+    else:
         host = pack.cu_cpu.to(torch.int64)  # FlashQLA documents LongTensor offsets
         cu = host.to(pack.cu.device)
         try:
@@ -97,8 +122,32 @@ def flashqla_cu(pack: Pack) -> torch.Tensor:
             pass
         else:
             cu = prepare_varlen_metadata(cu, host)
-        pack.memo[key] = cu
-    return pack.memo[key]
+    pack.memo[key] = cu
+    return cu
+
+
+def device_metadata(pack: Pack) -> torch.Tensor:
+    """The device pack's offsets for FlashQLA, int64, with its chunk metadata attached (see ``flashqla_cu``); device
+    ops only, sizes from shapes. Zero-length entries are moved to the end first (a stable compaction: the same
+    sequences in the same order, then empty ones at ``T``): FlashQLA's backward prefetches the row before an empty
+    sequence's start, which for a leading empty entry would lie before its buffers. A new tensor every call, so no
+    FlashQLA cache (they key on tensor identity) can hold it."""
+    assert pack.chunks is not None  # every pack carries its chunk indices
+    cu = pack.cu.to(torch.int64)
+    repeated = torch.cat([cu.new_zeros(1, dtype=torch.bool), cu[1:] == cu[:-1]])
+    cu = torch.sort(torch.where(repeated, cu[-1], cu)).values  # the distinct offsets in order, then T
+    counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+    chunk_offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    rows = pack.chunks.shape[0]  # T // 64 + N + 1: at least the chunks of any layout
+    setattr(cu, FLASHQLA_METADATA, (CHUNK, chunk_offsets, rows, chunk_indices(cu, rows)))
+    return cu
+
+
+def _chunk_module() -> Any:
+    flashqla()
+    import importlib
+
+    return importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
 
 
 def flashqla_rule(query, key, value, g, beta, pack: Pack):
