@@ -51,6 +51,24 @@ def test_conv_forward_and_backward_match_per_sequence_torch(norm_qk, bias, token
         torch.testing.assert_close(db.sum(0).double(), br.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("width", [1, 2, 8])
+def test_conv_backward_matches_per_sequence_torch_at_every_width(width):
+    # one weight-gradient accumulator per tap: the widths the fused conv takes (1..8), not only the models' 4
+    x, w, b = inputs(channels=16, width=width, bias=True)
+    starts, ends = token_bounds(CU, x.shape[0])
+    xr, wr, br = (t.double().requires_grad_(True) for t in (x, w, b))
+    ref = reference.conv_act(xr, wr, br, CU)[:, :16].reshape(-1, 1, 16)
+    dout = torch.randn_like(ref, dtype=x.dtype)
+    ref.backward(dout.double())
+    dx = torch.full_like(x, float("nan"))
+    parts = conv.partials(x.shape[0])
+    dw, db = torch.empty(parts, *w.shape), torch.empty(parts, w.shape[0])
+    conv.conv_bwd(x, w, b, starts, ends, dout, dx, dw, db, 0, 1, 16, 1, False, 1e-6)
+    torch.testing.assert_close(dx[:, :16].double(), xr.grad[:, :16], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.sum(0)[:16].double(), wr.grad[:16], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db.sum(0)[:16].double(), br.grad[:16], rtol=1e-5, atol=1e-5)
+
+
 def test_conv_never_reads_across_a_sequence_boundary():
     x, w, b = inputs(channels=16, width=4, bias=True)
     starts, ends = token_bounds(CU, x.shape[0])

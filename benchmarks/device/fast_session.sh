@@ -3,15 +3,18 @@
 # a GPU follow the README. #30's single-H200 plan, one step at a time (no parallel lanes), every log written
 # straight to $OUT so a call cut short still returns what ran:
 #   LOGS=$OUT DEADLINE=500 SAVE_CACHE=0 bash benchmarks/device/fast_session.sh [STEP ...]
-# steps: fused (GPU tests of gdn_fused), bench (bench_fast: default,fused), upstream-VERSION (upstream's THD
-#        contract, #27), qla (GPU tests with FlashQLA), bench-qla (bench_fast with the FlashQLA configurations)
+# steps: region (bench_region: the fused kernels alone), fused (GPU tests of gdn_fused), bench (bench_fast:
+#        default,fused), upstream-VERSION (upstream's THD contract, #27), qla (GPU tests with FlashQLA),
+#        bench-all (bench_fast: all four configurations + the stack), bench-qla (bench_fast, FlashQLA configurations)
 set -u
 T0=$(date +%s); DEADLINE=${DEADLINE:-500}; WANT=" ${*:-all} "
 source benchmarks/device/lib.sh  # environment, carried caches, step/finish
+step region 20 $(PP 0.19.2) python3 -m benchmarks.bench_region
 step fused 200 $(PP 0.19.2) $PT tests/gpu/test_fast_gpu.py -k "fused and not flashqla"
 step bench 120 $(PP 0.19.2) python3 -m benchmarks.bench_fast --configs default,fused --json $LOGS/fast-0.19.2.json
 for v in 0.17.1 0.16.1; do step upstream-$v 30 $(PP $v) $PT tests/gpu/test_upstream_thd_gpu.py; done
 step qla 100 $(PP 0.19.2) $PT tests/gpu/test_fast_gpu.py -k "flashqla"
+step bench-all 120 $(PP 0.19.2) python3 -m benchmarks.bench_fast --rounds 2 --json $LOGS/fast-all-0.19.2.json
 step bench-qla 40 $(PP 0.19.2) python3 -m benchmarks.bench_fast --configs default,flashqla,fused+flashqla --rounds 2 \
   --no-stack --json $LOGS/fast-qla-0.19.2.json
 finish "passed\|failed\|Error\|error\|^\[\|^  \|ratio\|bitwise\|^megatron-core\|^config\|^default\|^fused\|^flashqla\|outside"

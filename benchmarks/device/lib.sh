@@ -12,7 +12,8 @@ if [ ! -d /tmp/triton-cache ] && ls .tcache/tcache.tar.xz.* >/dev/null 2>&1; the
 fi
 mkdir -p /tmp/done "$LOGS"
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
-for v in 0.16.1 0.17.1 0.18.2 0.19.2; do
+for v in 0.16.1 0.17.1 0.18.2 0.19.2; do  # the carried wheels only
+  ls .whl/megatron_core-$v-*.whl >/dev/null 2>&1 || continue
   [ -d /tmp/mc-$v ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mc-$v .whl/megatron_core-$v-*.whl
 done
 [ -d /tmp/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .whl/fla_core-*.whl

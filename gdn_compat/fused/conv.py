@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 TOKENS_PER_PROGRAM = 256  # backward: tokens one program sums its weight-gradient partials over
+PROGRAMS_PER_SM = 4  # backward: resident programs per SM, each with a 16 KiB fp32 scratch (for BT x D = 16 x 128)
 
 
 @triton.jit
@@ -63,19 +64,48 @@ def _conv_fwd(X, sx, Wc, Bc, STARTS, OUT, T, col0,
 
 
 @triton.jit
+def _tap_acc(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, p, S: tl.constexpr):
+    """``acc<S> += p`` (``S`` is a constexpr: no select, the other accumulators pass through untouched)."""
+    if S == 0:
+        acc0 += p
+    if S == 1:
+        acc1 += p
+    if S == 2:
+        acc2 += p
+    if S == 3:
+        acc3 += p
+    if S == 4:
+        acc4 += p
+    if S == 5:
+        acc5 += p
+    if S == 6:
+        acc6 += p
+    if S == 7:
+        acc7 += p
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _tap_store(DW, base, c, acc, S: tl.constexpr, W: tl.constexpr):
+    if S < W:  # tap W-1-S of every channel: sum_u da[u+S] * x[u]
+        tl.store(DW + (base + c) * W + (W - 1 - S), tl.sum(acc, 0))
+
+
+@triton.jit
 def _conv_bwd(X, sx, Wc, Bc, STARTS, ENDS, DOUT, DX, sdx, SCRATCH, DW, DB, T, col0, CT, steps, items, heads,
-              D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, REP: tl.constexpr, NORM: tl.constexpr,
+              D: tl.constexpr, W: tl.constexpr, REP: tl.constexpr, NORM: tl.constexpr,
               HAS_BIAS: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr):
     """One section's backward. Work item = (a range of ``steps`` token blocks, one head); program ``p`` takes
     items p, p+P, ... (a fixed assignment: the partial sums do not depend on scheduling). Blocks run from the
     range's end backwards, after one extra block (the next range's first, for its first W-1 rows): ``da`` of
     each block goes to this program's two-slot scratch (fp32, L2-resident), so that the shifted rows
-    ``da[u+s]`` of ``dx[u]`` come from the current slot or from the previous block's."""
+    ``da[u+s]`` come from the current slot or from the previous block's. Each shifted tile serves both
+    ``dx[u] += w[W-1-s] * da[u+s]`` and the weight gradient ``dw[W-1-s] += da[u+s] * x[u]`` (the pair (u, u+s)
+    counted in the block of u, so once), with one accumulator per tap."""
     p = tl.program_id(0)
     nprog = tl.num_programs(0)
     j = tl.arange(0, BT)
     cols = tl.arange(0, D)
-    taps = tl.arange(0, WP)
     buf = SCRATCH + p.to(tl.int64) * (2 * BT * D)
     for item in range(p, items, nprog):
         part = item // heads
@@ -85,15 +115,17 @@ def _conv_bwd(X, sx, Wc, Bc, STARTS, ENDS, DOUT, DX, sdx, SCRATCH, DW, DB, T, co
             bias = tl.load(Bc + c).to(tl.float32)
         else:
             bias = tl.zeros([D], dtype=tl.float32)
-        dw_acc = tl.zeros([WP, BT, D], dtype=tl.float32)  # summed over rows once, at the end
+        zero = tl.zeros([BT, D], dtype=tl.float32)
+        dw0, dw1, dw2, dw3, dw4, dw5, dw6, dw7 = zero, zero, zero, zero, zero, zero, zero, zero  # summed at the end
         db_acc = tl.zeros([BT, D], dtype=tl.float32)
         for it in range(steps + 1):
             real = it > 0  # it == 0: the next range's first block, only its da is wanted
             rows = (part * steps + steps - it) * BT + j
             inb = rows < T
             start = tl.load(STARTS + rows, mask=inb, other=0)
-            a = tl.zeros([BT, D], dtype=tl.float32) + bias[None, :]
-            for s in tl.static_range(W):
+            x0 = tl.load(X + rows.to(tl.int64)[:, None] * sx + c[None, :], mask=inb[:, None], other=0.0).to(tl.float32)
+            a = x0 * tl.load(Wc + c * W + (W - 1)).to(tl.float32)[None, :] + bias[None, :]
+            for s in tl.static_range(1, W):
                 src = rows - s
                 x = tl.load(X + src.to(tl.int64)[:, None] * sx + c[None, :], mask=(inb & (src >= start))[:, None],
                             other=0.0)
@@ -116,20 +148,24 @@ def _conv_bwd(X, sx, Wc, Bc, STARTS, ENDS, DOUT, DX, sdx, SCRATCH, DW, DB, T, co
             end = tl.load(ENDS + rows, mask=inb, other=0)
             dx = tl.zeros([BT, D], dtype=tl.float32)
             for s in tl.static_range(W):
-                src = rows - s
-                x = tl.load(X + src.to(tl.int64)[:, None] * sx + c[None, :],
-                            mask=(inb & (src >= start) & real)[:, None], other=0.0)
-                dw_acc += tl.where(taps[:, None, None] == (W - 1 - s), (da * x.to(tl.float32))[None, :, :], 0.0)
                 ahead = j + s  # row u+s: in this block's slot, or in the previous (later) block's
                 at = tl.where(ahead < BT, slot * BT + ahead, (1 - slot) * BT + ahead - BT)
                 ok = inb & (rows + s < end) & real
                 d = tl.load(buf + at[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
                 dx += d * tl.load(Wc + c * W + (W - 1 - s)).to(tl.float32)[None, :]
+                dw0, dw1, dw2, dw3, dw4, dw5, dw6, dw7 = _tap_acc(dw0, dw1, dw2, dw3, dw4, dw5, dw6, dw7, d * x0, s)
             tl.store(DX + rows.to(tl.int64)[:, None] * sdx + c[None, :], dx.to(DX.dtype.element_ty),
                      mask=(inb & real)[:, None])
             tl.debug_barrier()  # every read of the other slot is done before the next block overwrites it
         base = part.to(tl.int64) * CT
-        tl.store(DW + (base + c[None, :]) * W + taps[:, None], tl.sum(dw_acc, 1), mask=(taps < W)[:, None])
+        _tap_store(DW, base, c, dw0, 0, W)
+        _tap_store(DW, base, c, dw1, 1, W)
+        _tap_store(DW, base, c, dw2, 2, W)
+        _tap_store(DW, base, c, dw3, 3, W)
+        _tap_store(DW, base, c, dw4, 4, W)
+        _tap_store(DW, base, c, dw5, 5, W)
+        _tap_store(DW, base, c, dw6, 6, W)
+        _tap_store(DW, base, c, dw7, 7, W)
         tl.store(DB + base + c, tl.sum(db_acc, 0))
 
 
@@ -164,16 +200,19 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, starts: t
     scratch = torch.empty(programs, 2, bt, d, device=x.device, dtype=torch.float32)
     _conv_bwd[(programs,)](
         x, x.stride(0), w, w if b is None else b, starts, ends, dout, dx, dx.stride(0), scratch, dw_part, db_part, T,
-        col0, w.shape[0], TOKENS_PER_PROGRAM // bt, items, heads, D=d, W=width, WP=triton.next_power_of_2(width),
-        REP=rep, NORM=norm, HAS_BIAS=b is not None, BT=bt, EPS=eps, num_warps=4)
+        col0, w.shape[0], TOKENS_PER_PROGRAM // bt, items, heads, D=d, W=width, REP=rep, NORM=norm, HAS_BIAS=b is not None, BT=bt, EPS=eps, num_warps=4)
 
 
 @functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _resident(device: torch.device) -> int:
     """How many backward programs run at once: a few per SM on a GPU (each has its own scratch), 2 on the CPU."""
     if device.type != "cuda":
         return 2
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return PROGRAMS_PER_SM * _sms(device)
 
 
 def partials(tokens: int) -> int:

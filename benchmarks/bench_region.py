@@ -1,0 +1,96 @@
+"""gdn_compat's fused-region kernels alone (#30), at one Qwen3-Next GDN layer's shapes (16 key heads, 32 value heads,
+head dims 128, conv width 4, bf16) for a pack of --tokens tokens in 9 sequences: each kernel's time (CUDA events,
+median of --steps launches after a warm-up), and what it moves against the H200's ~4.3 TB/s.
+
+    python -m benchmarks.bench_region [--tokens 16384] [--steps 20] [--programs-per-sm 2,4,8]   (repository root)
+
+The conv backward is timed once per --programs-per-sm value (resident programs per SM; its partial sums do
+not depend on it) for the q section (l2norm, q/k repeated twice as fla's core returns them), the k section and
+the v section; the layer bench (bench_fast.py) profiles the same kernels inside the layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+
+def timed(fn, steps: int) -> float:
+    fn()
+    if not torch.cuda.is_available():  # a smoke run through Triton's interpreter (TRITON_INTERPRET=1, --device cpu)
+        return float("nan")
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--programs-per-sm", default="2,4,8")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    from gdn_compat.fused import conv, gate, norm
+    from gdn_compat.fused.region import token_bounds
+
+    T, hk, hv, d, W = args.tokens, 16, 32, 128, 4
+    qk, v = hk * d, hv * d
+    C, F = 2 * qk + v, 2 * qk + 2 * v + 2 * hv
+    dev, bf = args.device, torch.bfloat16
+    torch.manual_seed(0)
+    x = torch.randn(T, F, device=dev, dtype=bf)
+    w = torch.randn(C, W, device=dev, dtype=bf) * 0.3
+    lengths = [T // 9] * 8 + [T - 8 * (T // 9)]
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(9)], device=dev, dtype=torch.int32)
+    starts, ends = token_bounds(cu, T)
+    rep = hv // hk
+    q = torch.empty(T, hk * rep, d, device=dev, dtype=bf)
+    vv = torch.empty(T, hv, d, device=dev, dtype=bf)
+    dq, dvv = torch.randn_like(q), torch.randn_like(vv)
+    dx = torch.empty_like(x)
+    parts = conv.partials(T)
+    dw = torch.empty(parts, C, W, device=dev, dtype=torch.float32)
+    db = torch.empty(parts, C, device=dev, dtype=torch.float32)
+    gbps = lambda nbytes, ms: nbytes / ms / 1e6  # noqa: E731
+    rows = []
+    ms = timed(lambda: conv.conv_fwd(x, w, None, starts, q, 0, hk, d, rep, True, 1e-6), args.steps)
+    rows.append(("conv fwd q (l2norm, x2 repeat)", ms, T * qk * 2 + q.numel() * 2))
+    ms = timed(lambda: conv.conv_fwd(x, w, None, starts, vv, 2 * qk, hv, d, 1, False, 0.0), args.steps)
+    rows.append(("conv fwd v", ms, T * v * 2 * 2))
+    for per_sm in [int(n) for n in args.programs_per_sm.split(",")]:
+        conv.PROGRAMS_PER_SM = per_sm
+        ms = timed(lambda: conv.conv_bwd(x, w, None, starts, ends, dq, dx, dw, db, 0, hk, d, rep, True, 1e-6),
+                   args.steps)
+        rows.append((f"conv bwd q ({per_sm}/SM)", ms, T * qk * 2 * 2 + dq.numel() * 2))
+        ms = timed(lambda: conv.conv_bwd(x, w, None, starts, ends, dvv, dx, dw, db, 2 * qk, hv, d, 1, False, 0.0),
+                   args.steps)
+        rows.append((f"conv bwd v ({per_sm}/SM)", ms, T * v * 2 * 3))
+    a_log = torch.randn(hv, device=dev, dtype=bf)
+    dt = torch.randn(hv, device=dev, dtype=bf)
+    ms = timed(lambda: gate.gate_fwd(x, a_log, dt, 2 * qk + 2 * v + hv, 2 * qk + 2 * v, hv), args.steps)
+    rows.append(("gate fwd", ms, T * hv * (2 * 2 + 4 + 2)))
+    o = torch.randn(T, hv, d, device=dev, dtype=bf)
+    nw = torch.randn(d, device=dev, dtype=bf)
+    ms = timed(lambda: norm.norm_fwd(o, x, nw, 2 * qk + v, 1e-6, 0.0), args.steps)
+    rows.append(("gated norm fwd", ms, T * v * 2 * 3))
+    dy = torch.randn(T, hv * d, device=dev, dtype=bf)
+    ms = timed(lambda: norm.norm_bwd(dy.reshape(o.shape), o, x, nw, 2 * qk + v, 1e-6, 0.0), args.steps)
+    rows.append(("gated norm bwd (do, dw)", ms, T * v * 2 * 4))
+    print(f"fused-region kernels, {T} tokens, {torch.cuda.get_device_name() if dev == 'cuda' else dev}, Triton "
+          f"{__import__('triton').__version__}")
+    for name, ms, nbytes in rows:
+        print(f"  {name:<34} {ms:8.3f} ms  {gbps(nbytes, ms):7.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
