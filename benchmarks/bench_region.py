@@ -2,11 +2,14 @@
 head dims 128, conv width 4, bf16) for a pack of --tokens tokens in 9 sequences: each kernel's time (CUDA events,
 median of --steps launches after a warm-up), and what it moves against the H200's ~4.3 TB/s.
 
-    python -m benchmarks.bench_region [--tokens 16384] [--steps 20] [--programs-per-sm 2,4,8]   (repository root)
+    python -m benchmarks.bench_region [--tokens 16384] [--steps 20] [--programs-per-sm 2,4,8]
+                                      [--sweep 16x8x4,32x8x2]   (repository root)
 
 The conv backward is timed once per --programs-per-sm value (resident programs per SM; its partial sums do
-not depend on it) for the q section (l2norm, q/k repeated twice as fla's core returns them), the k section and
-the v section; the layer bench (bench_fast.py) profiles the same kernels inside the layer.
+not depend on it) and per --sweep launch shape (token rows per block x warps x programs per SM), for the q
+section (l2norm, q/k repeated twice as fla's core returns them) and the v section; every shape must give the
+same dx bitwise and the same weight gradient to 1e-5. The layer bench (bench_fast.py) profiles the same kernels
+inside the layer.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--programs-per-sm", default="2,4,8")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--sweep", default="", help="more conv-backward launch shapes, ROWSxWARPSxPER_SM,...")
     args = ap.parse_args()
     from gdn_compat.fused import conv, gate, norm
     from gdn_compat.fused.region import token_bounds
@@ -67,14 +71,25 @@ def main() -> None:
     rows.append(("conv fwd q (l2norm, x2 repeat)", ms, T * qk * 2 + q.numel() * 2))
     ms = timed(lambda: conv.conv_fwd(x, w, None, starts, vv, 2 * qk, hv, d, 1, False, 0.0), args.steps)
     rows.append(("conv fwd v", ms, T * v * 2 * 2))
-    for per_sm in [int(n) for n in args.programs_per_sm.split(",")]:
-        conv.PROGRAMS_PER_SM = per_sm
+    shapes = [(conv.BWD_ROWS, conv.BWD_WARPS, int(n)) for n in args.programs_per_sm.split(",")]
+    if args.sweep:
+        shapes += [tuple(int(n) for n in one.split("x")) for one in args.sweep.split(",")]
+    first = None
+    for rows_, warps, per_sm in shapes:
+        conv.BWD_ROWS, conv.BWD_WARPS, conv.PROGRAMS_PER_SM = rows_, warps, per_sm
+        shape = f"{rows_} rows x {warps} warps, {per_sm}/SM"
         ms = timed(lambda: conv.conv_bwd(x, w, None, starts, ends, dq, dx, dw, db, 0, hk, d, rep, True, 1e-6),
                    args.steps)
-        rows.append((f"conv bwd q ({per_sm}/SM)", ms, T * qk * 2 * 2 + dq.numel() * 2))
+        rows.append((f"conv bwd q ({shape})", ms, T * qk * 2 * 2 + dq.numel() * 2))
         ms = timed(lambda: conv.conv_bwd(x, w, None, starts, ends, dvv, dx, dw, db, 2 * qk, hv, d, 1, False, 0.0),
                    args.steps)
-        rows.append((f"conv bwd v ({per_sm}/SM)", ms, T * v * 2 * 3))
+        rows.append((f"conv bwd v ({shape})", ms, T * v * 2 * 3))
+        got = (dx[:, 2 * qk:C].clone(), dw[:, 2 * qk:C].sum(0))  # the v section's: the same at every shape
+        if first is None:
+            first = got
+        else:
+            assert torch.equal(got[0], first[0]), f"conv bwd dx differs at {shape}"
+            torch.testing.assert_close(got[1], first[1], rtol=1e-5, atol=1e-5, msg=f"conv bwd dw at {shape}")
     a_log = torch.randn(hv, device=dev, dtype=bf)
     dt = torch.randn(hv, device=dev, dtype=bf)
     ms = timed(lambda: gate.gate_fwd(x, a_log, dt, 2 * qk + 2 * v + hv, 2 * qk + 2 * v, hv), args.steps)

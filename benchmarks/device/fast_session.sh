@@ -5,11 +5,29 @@
 #   LOGS=$OUT DEADLINE=500 SAVE_CACHE=0 bash benchmarks/device/fast_session.sh [STEP ...]
 # steps: region (bench_region: the fused kernels alone), fused (GPU tests of gdn_fused), bench (bench_fast:
 #        default,fused), upstream-VERSION (upstream's THD contract, #27), qla (GPU tests with FlashQLA),
-#        bench-all (bench_fast: all four configurations + the stack), bench-qla (bench_fast, FlashQLA configurations)
+#        bench-all (bench_fast: all four configurations + the stack), bench-qla (bench_fast, FlashQLA configurations),
+#        sweep + pick-conv (the conv backward's launch shapes; the fastest set for the later steps)
 set -u
 T0=$(date +%s); DEADLINE=${DEADLINE:-500}; WANT=" ${*:-all} "
 source benchmarks/device/lib.sh  # environment, carried caches, step/finish
 step region 20 $(PP 0.19.2) python3 -m benchmarks.bench_region
+# pick-conv: time the conv backward's launch shapes, then set the fastest (q + v sections) in this machine's copy
+# of gdn_compat/fused/conv.py for the steps after it (the same edit is then committed from the printed choice)
+step sweep 20 $(PP 0.19.2) python3 -m benchmarks.bench_region --programs-per-sm 4 --sweep ${SWEEP:-16x8x4,32x8x2,64x16x1,8x4x8,32x16x2}
+if [[ "$WANT" == *" pick-conv "* ]] && [ -f $LOGS/sweep.log ]; then
+  best=$(python3 - $LOGS/sweep.log <<'PY'
+import re, sys, collections
+t = collections.defaultdict(float)
+for line in open(sys.argv[1]):
+    m = re.search(r"conv bwd [qv] \((\d+) rows x (\d+) warps, (\d+)/SM\)\s+([\d.]+) ms", line)
+    if m:
+        t[m.groups()[:3]] += float(m.group(4))
+print(", ".join(min(t, key=t.get)))
+PY
+)
+  sed -i "s/^BWD_ROWS, BWD_WARPS, PROGRAMS_PER_SM = .*/BWD_ROWS, BWD_WARPS, PROGRAMS_PER_SM = $best/" gdn_compat/fused/conv.py
+  echo "[plan] conv backward launch shape for the next steps: $(grep '^BWD_ROWS' gdn_compat/fused/conv.py)"
+fi
 step fused 200 $(PP 0.19.2) $PT tests/gpu/test_fast_gpu.py -k "fused and not flashqla"
 step bench 120 $(PP 0.19.2) python3 -m benchmarks.bench_fast --configs default,fused --json $LOGS/fast-0.19.2.json
 for v in 0.17.1 0.16.1; do step upstream-$v 30 $(PP $v) $PT tests/gpu/test_upstream_thd_gpu.py; done

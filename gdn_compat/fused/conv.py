@@ -30,7 +30,10 @@ import triton
 import triton.language as tl
 
 TOKENS_PER_PROGRAM = 256  # backward: tokens one program sums its weight-gradient partials over
-PROGRAMS_PER_SM = 4  # backward: resident programs per SM, each with a 16 KiB fp32 scratch (for BT x D = 16 x 128)
+# The backward's launch shape for head dims >= 128 (benchmarks/bench_region.py --sweep times the choices): token
+# rows per block, warps per program, programs per SM (each has a 2 x BWD_ROWS x D fp32 scratch). None of them
+# changes which tokens a partial sum covers; BWD_ROWS fixes the order of additions inside one.
+BWD_ROWS, BWD_WARPS, PROGRAMS_PER_SM = 16, 4, 4
 
 
 @triton.jit
@@ -123,13 +126,15 @@ def _conv_bwd(X, sx, Wc, Bc, STARTS, ENDS, DOUT, DX, sdx, SCRATCH, DW, DB, T, co
             rows = (part * steps + steps - it) * BT + j
             inb = rows < T
             start = tl.load(STARTS + rows, mask=inb, other=0)
+            end = tl.load(ENDS + rows, mask=inb, other=0)
             x0 = tl.load(X + rows.to(tl.int64)[:, None] * sx + c[None, :], mask=inb[:, None], other=0.0).to(tl.float32)
             a = x0 * tl.load(Wc + c * W + (W - 1)).to(tl.float32)[None, :] + bias[None, :]
             for s in tl.static_range(1, W):
-                src = rows - s
-                x = tl.load(X + src.to(tl.int64)[:, None] * sx + c[None, :], mask=(inb & (src >= start))[:, None],
+                src = rows - s  # loaded without waiting for start; rows before it are zeroed after
+                x = tl.load(X + src.to(tl.int64)[:, None] * sx + c[None, :], mask=(inb & (src >= 0))[:, None],
                             other=0.0)
-                a += x.to(tl.float32) * tl.load(Wc + c * W + (W - 1 - s)).to(tl.float32)[None, :]
+                x = tl.where((src >= start)[:, None], x.to(tl.float32), 0.0)
+                a += x * tl.load(Wc + c * W + (W - 1 - s)).to(tl.float32)[None, :]
             sig = tl.sigmoid(a)
             u = a * sig
             g = tl.zeros([BT, D], dtype=tl.float32)
@@ -145,7 +150,6 @@ def _conv_bwd(X, sx, Wc, Bc, STARTS, ENDS, DOUT, DX, sdx, SCRATCH, DW, DB, T, co
             tl.store(buf + slot * (BT * D) + j[:, None] * D + cols[None, :], da)
             tl.debug_barrier()  # the slot is read by other threads of this program below
             db_acc += tl.where(real, da, 0.0)
-            end = tl.load(ENDS + rows, mask=inb, other=0)
             dx = tl.zeros([BT, D], dtype=tl.float32)
             for s in tl.static_range(W):
                 ahead = j + s  # row u+s: in this block's slot, or in the previous (later) block's
@@ -193,14 +197,15 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, starts: t
     T = x.shape[0]
     if heads == 0:
         return
-    bt = _block(d)
+    bt, warps = (BWD_ROWS, BWD_WARPS) if d >= 128 else (_block(d), 4)
     width = w.shape[1]
     items = dw_part.shape[0] * heads
     programs = min(items, _resident(x.device))
     scratch = torch.empty(programs, 2, bt, d, device=x.device, dtype=torch.float32)
     _conv_bwd[(programs,)](
         x, x.stride(0), w, w if b is None else b, starts, ends, dout, dx, dx.stride(0), scratch, dw_part, db_part, T,
-        col0, w.shape[0], TOKENS_PER_PROGRAM // bt, items, heads, D=d, W=width, REP=rep, NORM=norm, HAS_BIAS=b is not None, BT=bt, EPS=eps, num_warps=4)
+        col0, w.shape[0], TOKENS_PER_PROGRAM // bt, items, heads, D=d, W=width, REP=rep, NORM=norm,
+        HAS_BIAS=b is not None, BT=bt, EPS=eps, num_warps=warps)
 
 
 @functools.cache
