@@ -8,7 +8,7 @@ median of --steps launches after a warm-up), and what it moves against the H200'
 The conv backward is timed once per --programs-per-sm value (resident programs per SM; its partial sums do
 not depend on it) and per --sweep launch shape (token rows per block x warps x programs per SM), for the q
 section (l2norm, q/k repeated twice as fla's core returns them) and the v section; every shape must give the
-same dx bitwise and the same weight gradient to 1e-5. The layer bench (bench_fast.py) profiles the same kernels
+same dx bitwise and the same weight gradient to 1e-5 (relative, in the 2-norm). The layer bench (bench_fast.py) profiles the same kernels
 inside the layer.
 """
 
@@ -89,7 +89,8 @@ def main() -> None:
             first = got
         else:
             assert torch.equal(got[0], first[0]), f"conv bwd dx differs at {shape}"
-            torch.testing.assert_close(got[1], first[1], rtol=1e-5, atol=1e-5, msg=f"conv bwd dw at {shape}")
+            off = ((got[1] - first[1]).norm() / first[1].norm()).item()  # the row sums' order follows the layout
+            assert off <= 1e-5, f"conv bwd dw differs by {off:.1e} (relative) at {shape}"
     a_log = torch.randn(hv, device=dev, dtype=bf)
     dt = torch.randn(hv, device=dev, dtype=bf)
     ms = timed(lambda: gate.gate_fwd(x, a_log, dt, 2 * qk + 2 * v + hv, 2 * qk + 2 * v, hv), args.steps)

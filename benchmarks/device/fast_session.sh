@@ -22,10 +22,10 @@ for line in open(sys.argv[1]):
     m = re.search(r"conv bwd [qv] \((\d+) rows x (\d+) warps, (\d+)/SM\)\s+([\d.]+) ms", line)
     if m:
         t[m.groups()[:3]] += float(m.group(4))
-print(", ".join(min(t, key=t.get)))
+print(", ".join(min(t, key=t.get)) if t else "")
 PY
 )
-  sed -i "s/^BWD_ROWS, BWD_WARPS, PROGRAMS_PER_SM = .*/BWD_ROWS, BWD_WARPS, PROGRAMS_PER_SM = $best/" gdn_compat/fused/conv.py
+  [ -n "$best" ] && sed -i "s/^BWD_ROWS, BWD_WARPS, PROGRAMS_PER_SM = .*/BWD_ROWS, BWD_WARPS, PROGRAMS_PER_SM = $best/" gdn_compat/fused/conv.py
   echo "[plan] conv backward launch shape for the next steps: $(grep '^BWD_ROWS' gdn_compat/fused/conv.py)"
 fi
 step fused 200 $(PP 0.19.2) $PT tests/gpu/test_fast_gpu.py -k "fused and not flashqla"
