@@ -33,7 +33,7 @@ step bench 120 $(PP 0.19.2) python3 -m benchmarks.bench_fast --configs default,f
 for v in 0.17.1 0.16.1; do step upstream-$v 30 $(PP $v) $PT tests/gpu/test_upstream_thd_gpu.py; done
 step qla 100 $(PP 0.19.2) $PT tests/gpu/test_fast_gpu.py -k "flashqla"
 step bench-all 120 $(PP 0.19.2) python3 -m benchmarks.bench_fast --rounds 2 --json $LOGS/fast-all-0.19.2.json
-step bench-qla 40 $(PP 0.19.2) python3 -m benchmarks.bench_fast --configs default,flashqla,fused+flashqla --rounds 2 \
+step bench-qla 40 $(PP 0.19.2) python3 -m benchmarks.bench_fast --configs ${CONFIGS:-default,flashqla,fused+flashqla} --rounds 2 \
   --no-stack --json $LOGS/fast-qla-0.19.2.json
 finish "passed\|failed\|Error\|error\|^\[\|^  \|ratio\|bitwise\|^megatron-core\|^config\|^default\|^fused\|^flashqla\|outside"
 true

@@ -33,7 +33,7 @@ TOKENS_PER_PROGRAM = 256  # backward: tokens one program sums its weight-gradien
 # The backward's launch shape for head dims >= 128 (benchmarks/bench_region.py --sweep times the choices): token
 # rows per block, warps per program, programs per SM (each has a 2 x BWD_ROWS x D fp32 scratch). None of them
 # changes which tokens a partial sum covers; BWD_ROWS fixes the order of additions inside one.
-BWD_ROWS, BWD_WARPS, PROGRAMS_PER_SM = 16, 4, 4
+BWD_ROWS, BWD_WARPS, PROGRAMS_PER_SM = 8, 4, 8
 
 
 @triton.jit
