@@ -10,7 +10,7 @@ for g (fp32, the exp of A_log included) and beta, the delta-rule core (FlashQLA'
 else fla's), and one for RMSNorm(o) x SiLU(z); backward recomputes q, k, v from the saved input instead of
 storing them, sums every weight gradient without atomics (bitwise run to run, also in ``deterministic_mode``)
 and writes the input projection's gradient in place. Sizes come from shapes only: a CUDA-graph capture with
-a ``PackBuffer`` replays any layout (with fla's core). Tensor, sequence and context parallelism, full
+a ``PackBuffer`` replays any layout (with fla's core, or FlashQLA 0.1.3's). Tensor, sequence and context parallelism, full
 recompute and MTP see the same layer.
 
 A call keeps the unfused path, with the reason logged once, where the fused kernels do not apply: no Triton,
