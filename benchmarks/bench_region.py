@@ -15,25 +15,18 @@ inside the layer.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 
 def timed(fn, steps: int) -> float:
-    fn()
+    """Median ms of ``steps`` launches after one warm-up (bench_gdn_thd's measure)."""
     if not torch.cuda.is_available():  # a smoke run through Triton's interpreter (TRITON_INTERPRET=1, --device cpu)
-        return float("nan")
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
         fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+        return float("nan")
+    from benchmarks.bench_gdn_thd import measure
+
+    return measure(fn, steps, warmup=1)[0]
 
 
 def main() -> None:

@@ -65,8 +65,8 @@ def flashqla() -> Any:
 CAPTURE_REFUSAL = ("gdn_compat gdn_flashqla: the installed FlashQLA does not take a pack's chunk metadata from its "
                    "offsets tensor ({why}), so it would size its kernels by a chunk count read on the host: a packed GDN "
                    "step through it cannot be captured in a CUDA graph that replays other layouts (nor take offsets "
-                   "from a gdn_compat.graphs.PackBuffer); install flash-qla 0.1.3 or apply(gdn_flashqla=False) for a "
-                   "captured step")
+                   "from a gdn_compat.graphs.PackBuffer); use a FlashQLA that does (flash-qla 0.1.3 does) or "
+                   "apply(gdn_flashqla=False) for a captured step")
 
 
 def flashqla_skip(fast: Fast, layer: Any, loc: Any, x: torch.Tensor, pack: Pack) -> str | None:
@@ -74,7 +74,8 @@ def flashqla_skip(fast: Fast, layer: Any, loc: Any, x: torch.Tensor, pack: Pack)
     if not fast.flashqla:
         return "off"
     if pack.cu_cpu is None and x.is_cuda and not fast.flashqla_graphs:
-        raise RuntimeError(CAPTURE_REFUSAL.format(why="the probe's flashqla_metadata fact"))
+        raise RuntimeError(CAPTURE_REFUSAL.format(why="the probe's flashqla_metadata fact, read from "
+                                                      "flash_qla/utils/index.py: python -m gdn_compat shows it"))
     if not x.is_cuda:
         return "FlashQLA needs a CUDA tensor"
     if x.shape[0] == 0:
