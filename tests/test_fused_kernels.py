@@ -69,6 +69,29 @@ def test_conv_backward_matches_per_sequence_torch_at_every_width(width):
     torch.testing.assert_close(db.sum(0)[:16].double(), br.grad[:16], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens_per_program", [conv.TOKENS_PER_PROGRAM, 64], ids=["default", "ranges-of-64"])
+@pytest.mark.parametrize("norm_qk", [True, False])
+def test_conv_backward_at_the_shipped_launch_shape_for_128_wide_heads(norm_qk, tokens_per_program, monkeypatch):
+    # head dims >= 128 take the launch shape of conv.BWD_ROWS (measured on the H200), not the 32-row blocks of the
+    # small heads above: its blocks are shorter than the sequences, and (ranges of 64) sequences cross ranges
+    monkeypatch.setattr(conv, "TOKENS_PER_PROGRAM", tokens_per_program)
+    x, w, b = inputs(channels=128, width=4, bias=True)
+    starts, ends = token_bounds(CU, x.shape[0])
+    xr, wr, br = (t.double().requires_grad_(True) for t in (x, w, b))
+    ref = reference.conv_act(xr, wr, br, CU).reshape(-1, 1, 128)
+    if norm_qk:
+        ref = reference.l2norm(ref)
+    dout = torch.randn_like(ref, dtype=x.dtype)
+    ref.backward(dout.double())
+    dx = torch.full_like(x, float("nan"))
+    parts = conv.partials(x.shape[0])
+    dw, db = torch.empty(parts, *w.shape), torch.empty(parts, w.shape[0])
+    conv.conv_bwd(x, w, b, starts, ends, dout, dx, dw, db, 0, 1, 128, 1, norm_qk, 1e-6)
+    torch.testing.assert_close(dx.double(), xr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.sum(0).double(), wr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db.sum(0).double(), br.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_conv_never_reads_across_a_sequence_boundary():
     x, w, b = inputs(channels=16, width=4, bias=True)
     starts, ends = token_bounds(CU, x.shape[0])
