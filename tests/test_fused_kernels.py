@@ -51,34 +51,19 @@ def test_conv_forward_and_backward_match_per_sequence_torch(norm_qk, bias, token
         torch.testing.assert_close(db.sum(0).double(), br.grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("width", [1, 2, 8])
-def test_conv_backward_matches_per_sequence_torch_at_every_width(width):
-    # one weight-gradient accumulator per tap: the widths the fused conv takes (1..8), not only the models' 4
-    x, w, b = inputs(channels=16, width=width, bias=True)
-    starts, ends = token_bounds(CU, x.shape[0])
-    xr, wr, br = (t.double().requires_grad_(True) for t in (x, w, b))
-    ref = reference.conv_act(xr, wr, br, CU)[:, :16].reshape(-1, 1, 16)
-    dout = torch.randn_like(ref, dtype=x.dtype)
-    ref.backward(dout.double())
-    dx = torch.full_like(x, float("nan"))
-    parts = conv.partials(x.shape[0])
-    dw, db = torch.empty(parts, *w.shape), torch.empty(parts, w.shape[0])
-    conv.conv_bwd(x, w, b, starts, ends, dout, dx, dw, db, 0, 1, 16, 1, False, 1e-6)
-    torch.testing.assert_close(dx[:, :16].double(), xr.grad[:, :16], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dw.sum(0)[:16].double(), wr.grad[:16], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(db.sum(0)[:16].double(), br.grad[:16], rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("tokens_per_program", [conv.TOKENS_PER_PROGRAM, 64], ids=["default", "ranges-of-64"])
-@pytest.mark.parametrize("norm_qk", [True, False])
-def test_conv_backward_at_the_shipped_launch_shape_for_128_wide_heads(norm_qk, tokens_per_program, monkeypatch):
-    # head dims >= 128 take the launch shape of conv.BWD_ROWS (measured on the H200), not the 32-row blocks of the
-    # small heads above: its blocks are shorter than the sequences, and (ranges of 64) sequences cross ranges
+@pytest.mark.parametrize("d,width,norm_qk", [(16, 1, False), (16, 2, False), (16, 8, False), (128, 4, True),
+                                             (128, 4, False)])
+def test_conv_backward_matches_per_sequence_torch_at_every_width_and_launch_shape(d, width, norm_qk,
+                                                                                   tokens_per_program, monkeypatch):
+    # widths 1..8 (one weight-gradient accumulator per tap, not only the models' 4); head dims >= 128 take the
+    # launch shape of conv.BWD_ROWS (measured on the H200), whose blocks are shorter than the sequences; with
+    # ranges of 64 tokens sequences cross the backward's ranges
     monkeypatch.setattr(conv, "TOKENS_PER_PROGRAM", tokens_per_program)
-    x, w, b = inputs(channels=128, width=4, bias=True)
+    x, w, b = inputs(channels=d, width=width, bias=True)
     starts, ends = token_bounds(CU, x.shape[0])
     xr, wr, br = (t.double().requires_grad_(True) for t in (x, w, b))
-    ref = reference.conv_act(xr, wr, br, CU).reshape(-1, 1, 128)
+    ref = reference.conv_act(xr, wr, br, CU).reshape(-1, 1, d)
     if norm_qk:
         ref = reference.l2norm(ref)
     dout = torch.randn_like(ref, dtype=x.dtype)
@@ -86,7 +71,7 @@ def test_conv_backward_at_the_shipped_launch_shape_for_128_wide_heads(norm_qk, t
     dx = torch.full_like(x, float("nan"))
     parts = conv.partials(x.shape[0])
     dw, db = torch.empty(parts, *w.shape), torch.empty(parts, w.shape[0])
-    conv.conv_bwd(x, w, b, starts, ends, dout, dx, dw, db, 0, 1, 128, 1, norm_qk, 1e-6)
+    conv.conv_bwd(x, w, b, starts, ends, dout, dx, dw, db, 0, 1, d, 1, norm_qk, 1e-6)
     torch.testing.assert_close(dx.double(), xr.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dw.sum(0).double(), wr.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(db.sum(0).double(), br.grad, rtol=1e-5, atol=1e-5)

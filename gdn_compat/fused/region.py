@@ -103,15 +103,11 @@ class Region(torch.autograd.Function):
         dw_part = x.new_empty(parts, w.shape[0], w.shape[1], dtype=torch.float32)
         db_part = x.new_empty(parts, w.shape[0], dtype=torch.float32)
         grad_rep = dq.shape[-2] // spec.hk  # the core's q/k heads per key head (summed back)
-        sections = [(dq, 0, spec.hk, spec.dk, grad_rep, spec.l2norm),
-                    (dk, k_col, spec.hk, spec.dk, grad_rep, spec.l2norm),
-                    (dv, v_col, spec.hv, spec.dv, 1, False)]
-        del dq, dk, dv
-        while sections:  # each core gradient is freed once its section is done
-            dout, col0, heads, d, r, l2 = sections.pop(0)
+        for dout, col0, heads, d, r, l2 in ((dq, 0, spec.hk, spec.dk, grad_rep, spec.l2norm),
+                                            (dk, k_col, spec.hk, spec.dk, grad_rep, spec.l2norm),
+                                            (dv, v_col, spec.hv, spec.dv, 1, False)):
             conv.conv_bwd(x, w, conv_b, starts, ends, dout[0].contiguous(), dx, dw_part, db_part, col0, heads, d,
                           r, l2, spec.l2norm_eps)
-            del dout
         da_log, ddt = gate.gate_bwd(x, a_log, dt_bias, dg[0], dbeta[0], dx, a_col, b_col, spec.hv)
         dconv_w = dw_part.sum(0).reshape(conv_w.shape).to(conv_w.dtype)
         dconv_b = None if conv_b is None else db_part.sum(0).to(conv_b.dtype)

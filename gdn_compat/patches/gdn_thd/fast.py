@@ -109,7 +109,7 @@ def flashqla_cu(pack: Pack) -> torch.Tensor:
     if key in pack.memo:
         return pack.memo[key]
     if pack.cu_cpu is None:
-        size = getattr(_chunk_module(), "CHUNK_SIZE", None)
+        size = _chunk_size()
         if size != CHUNK:
             raise RuntimeError(CAPTURE_REFUSAL.format(why=f"its chunk size on this GPU is {size}, gdn_compat's chunk "
                                                           f"table is for {CHUNK}"))
@@ -144,11 +144,13 @@ def device_metadata(pack: Pack) -> torch.Tensor:
     return cu
 
 
-def _chunk_module() -> Any:
+@functools.lru_cache(maxsize=1)
+def _chunk_size() -> Any:
+    """FlashQLA's chunk size on this process's GPU (64 on sm90/sm100), read once."""
     flashqla()
     import importlib
 
-    return importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
+    return getattr(importlib.import_module("flash_qla.ops.gated_delta_rule.chunk"), "CHUNK_SIZE", None)
 
 
 def flashqla_rule(query, key, value, g, beta, pack: Pack):
