@@ -73,9 +73,12 @@ def packed_forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pa
     total = seq * rows
     hv = loc.v // loc.dv  # shapes spelled out: a -1 is ambiguous for an empty pack
     qkvzba = qkvzba.transpose(0, 1).reshape(1, total, 2 * loc.qk + 2 * loc.v + 2 * hv)
-    region, why = core.region_core(layer, loc, qkvzba[0], pack) if total and core.fast.fused else (None, "off")
+    # The fused region takes [T, F] as a view (reshape), not qkvzba[0]: a select's backward allocates a zeroed
+    # [1, T, F] and copies the gradient into it (a fill and a copy of the whole in_proj output every step).
+    flat = qkvzba.reshape(total, qkvzba.shape[-1])
+    region, why = core.region_core(layer, loc, flat, pack) if total and core.fast.fused else (None, "off")
     if region is not None:  # gdn_fused: the whole region in gdn_compat's kernels
-        norm_out = core.region(layer, loc, qkvzba[0], pack, region)
+        norm_out = core.region(layer, loc, flat, pack, region)
     else:
         if why != "off":
             fast.note("gdn_fused", str(why))
