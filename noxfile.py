@@ -1,7 +1,7 @@
 """Test matrix: one session per megatron-core release, on Python 3.12, with uv.
 
     nox                                          # every release + lint + the built wheel
-    nox -s "tests(megatron_core='0.18.2')"       # one release
+    nox -s "tests(0.18.2)"       # one release
     nox -s demo                                  # the CPU demo (megatron-core 0.17.1)
     nox -s compat_table                          # regenerate the README compatibility table
     MEGATRON_SOURCE=/path/to/Megatron-LM nox -s source   # the CPU suite against a megatron source tree (upstream main)
