@@ -115,8 +115,9 @@ def test_gate_forward_and_backward_match_the_formula():
     torch.testing.assert_close(ddt.double(), dr.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dz_pass", ["same", "second"])
 @pytest.mark.parametrize("zc", [0.0, 1.0])
-def test_gated_norm_forward_and_backward_match_the_formula(zc):
+def test_gated_norm_forward_and_backward_match_the_formula(zc, dz_pass):
     torch.manual_seed(4)
     T, H, D = 70, 3, 16
     o = torch.randn(T, H, D)
@@ -129,8 +130,12 @@ def test_gated_norm_forward_and_backward_match_the_formula(zc):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
     dy = torch.randn_like(y)
     dx = torch.full_like(x, float("nan"))
-    do, dw = norm.norm_bwd(dy, o, x, w, z_col=9, eps=1e-5, zc=zc)
-    norm.norm_dz(dy, o, x, w, dx[:, 9:9 + H * D], z_col=9, eps=1e-5, zc=zc)  # dz into x's z columns of dx
+    if dz_pass == "same":  # dz into x's z columns of dx, from the pass that computes do
+        do, dw = norm.norm_bwd(dy, o, x, w, z_col=9, eps=1e-5, zc=zc, dz=dx[:, 9:9 + H * D])
+    else:
+        do, dw = norm.norm_bwd(dy, o, x, w, z_col=9, eps=1e-5, zc=zc)
+        assert dx.isnan().all()  # no dz yet
+        norm.norm_dz(dy, o, x, w, dx[:, 9:9 + H * D], z_col=9, eps=1e-5, zc=zc)
     ref.backward(dy.double())
     torch.testing.assert_close(do.double(), orf.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx[:, 9:9 + H * D].double(), zr.grad.reshape(T, H * D), rtol=1e-5, atol=1e-5)
@@ -138,9 +143,12 @@ def test_gated_norm_forward_and_backward_match_the_formula(zc):
     assert dx[:, :9].isnan().all() and dx[:, 9 + H * D:].isnan().all()  # no column outside z written
 
 
-def test_region_forward_and_every_gradient_match_the_torch_reference():
+@pytest.mark.parametrize("lean", [False, True], ids=["dx-after-core", "dx-before-core"])
+def test_region_forward_and_every_gradient_match_the_torch_reference(lean):
     x, params = region_inputs()
-    spec = Spec(**DIMS, l2norm=True, norm_eps=1e-5, zero_centered=False, core=ref_core(CU))
+    core = ref_core(CU)
+    core.lean_backward = lean  # dz in a second pass after the core's backward, or in the norm's one pass
+    spec = Spec(**DIMS, l2norm=True, norm_eps=1e-5, zero_centered=False, core=core)
     y, grads = gradients(lambda *a: region(*a, token_bounds(CU, x.shape[0]), spec), x, params)
     y_ref, grads_ref = gradients(
         lambda xx, cw, cb, al, dt, nw: reference.region(xx, cw, cb, al, dt, nw, CU, **DIMS),

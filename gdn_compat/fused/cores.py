@@ -2,7 +2,8 @@
 
 Each holds one pack's offsets and exposes ``forward(q, k, v, g, beta) -> (o, saved)`` and
 ``backward(q, k, v, g, beta, saved, do) -> (dq, dk, dv, dg, dbeta)``; ``gva`` says whether it takes q/k
-with fewer heads than v (grouped value attention) or needs them repeated.
+with fewer heads than v (grouped value attention) or needs them repeated, ``lean_backward`` whether its backward
+needs so little memory that the region may allocate its input gradient before it.
 
 * ``FlaCore``: fla's own ``chunk_gated_delta_rule_fwd`` / ``_bwd`` (fla-core 0.4.x and >= 0.6 share the
   keywords used here), handed the pack's chunk indices, as fla's autograd Function calls them.
@@ -20,6 +21,7 @@ import torch
 
 class FlaCore:
     gva = False
+    lean_backward = False  # its chunked backward is the region's memory peak: dx only after it
 
     def __init__(self, fwd: Any, bwd: Any, cu: torch.Tensor, chunks: torch.Tensor):
         self.fwd, self.bwd, self.cu, self.chunks = fwd, bwd, cu, chunks
@@ -40,6 +42,7 @@ class FlaCore:
 
 class FlashQlaCore:
     gva = True
+    lean_backward = True  # H200, one layer at 64k tokens: 6.9 GiB peak with it, 11.3 GiB with fla's
 
     def __init__(self, module: Any, cu: torch.Tensor):
         self.fq, self.cu = module, cu
@@ -60,6 +63,7 @@ class FlashQlaCore:
 
 class TorchCore:
     gva = False
+    lean_backward = False  # the CPU tests' core; tests/test_fused_kernels.py runs the region both ways
 
     def __init__(self, rule: Any, spans: tuple[tuple[int, int], ...]):
         self.rule, self.spans = rule, spans

@@ -5,8 +5,9 @@
 ``o`` is the delta rule's output ``[T, H, D]``; ``z`` is read straight from its columns of the input
 projection's output ``x`` (a strided view, no copy); ``y`` ``[T, H*D]`` is the output projection's
 input. Computed in fp32 and rounded once (the release rounds the norm's output, then the product).
-The backward recomputes the norm from ``o``: one pass returns ``do``, another writes ``dz`` where it is told;
-the norm weight's gradient is a per-program partial sum (no atomics), added up by ``torch.sum``.
+The backward recomputes the norm from ``o``: one pass returns ``do`` and, where the region has ``dx`` already,
+writes ``dz`` into it; otherwise a second pass writes ``dz`` later. The norm weight's gradient is a per-program
+partial sum (no atomics), added up by ``torch.sum``.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def _norm_fwd(OUT, X, sx, NW, Y, T, z_col, ZC: tl.constexpr, D: tl.constexpr, BT
 
 @triton.jit
 def _norm_bwd(DY, OUT, X, sx, NW, DO, DZ, sdz, DW_PART, T, z_col, steps, ZC: tl.constexpr, D: tl.constexpr,
-              BT: tl.constexpr, EPS: tl.constexpr, DZ_ONLY: tl.constexpr):
-    """``do`` and the weight's partial sums, or (DZ_ONLY) ``dz`` alone: the region asks for ``dz`` after the core's
-    backward, straight into dx, so that no ``[T, H*D]`` buffer of it is alive at the peak."""
+              BT: tl.constexpr, EPS: tl.constexpr, DO_DW: tl.constexpr, DZ_TOO: tl.constexpr):
+    """``do`` and the weight's partial sums (DO_DW), and/or ``dz`` (DZ_TOO) in the same pass. A region whose core's
+    backward needs much memory asks for ``dz`` alone after that backward, straight into dx, so that no
+    ``[T, H*D]`` buffer of it is alive at the peak; otherwise everything comes from one pass."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     nh = tl.num_programs(1)
@@ -60,16 +62,16 @@ def _norm_bwd(DY, OUT, X, sx, NW, DO, DZ, sdz, DW_PART, T, z_col, steps, ZC: tl.
         rstd = tl.rsqrt(tl.sum(o * o, 1) / D + EPS)
         r = o * rstd[:, None]
         nw = r * w[None, :]
-        if DZ_ONLY:
+        if DZ_TOO:
             dz = dy * nw * sig * (1.0 + z * (1.0 - sig))
             tl.store(DZ + rows.to(tl.int64)[:, None] * sdz + h * D + cols[None, :], dz.to(DZ.dtype.element_ty),
                      mask=ok)
-        else:
+        if DO_DW:
             dw += tl.sum(dy * act * r, 0)
             dr = dy * act * w[None, :]
             do = (dr - r * (tl.sum(dr * r, 1) / D)[:, None]) * rstd[:, None]
             tl.store(DO + at, do.to(DO.dtype.element_ty), mask=ok)
-    if not DZ_ONLY:
+    if DO_DW:
         tl.store(DW_PART + (pid * nh + h).to(tl.int64) * D + cols, dw)
 
 
@@ -85,16 +87,18 @@ def norm_fwd(o: torch.Tensor, x: torch.Tensor, w: torch.Tensor, z_col: int, eps:
 
 
 def norm_bwd(dy: torch.Tensor, o: torch.Tensor, x: torch.Tensor, w: torch.Tensor, z_col: int, eps: float,
-             zc: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(do ``[T, H, D]`` in o's dtype, dw fp32 ``[D]``); ``norm_dz`` writes dz."""
+             zc: float, dz: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(do ``[T, H, D]`` in o's dtype, dw fp32 ``[D]``); with ``dz`` (``[T, H*D]``, any row stride) it writes dz
+    there in the same pass, else ``norm_dz`` writes it later."""
     T, heads, d = o.shape
     bt = 16
     steps = TOKENS_PER_PROGRAM // bt
     parts = max(1, triton.cdiv(T, TOKENS_PER_PROGRAM))
     do = torch.empty_like(o)
     dw_part = torch.empty(parts, heads, d, device=o.device, dtype=torch.float32)
-    _norm_bwd[(parts, heads)](dy.contiguous(), o, x, x.stride(0), w, do, do, 0, dw_part, T, z_col, steps, ZC=zc, D=d,
-                              BT=bt, EPS=eps, DZ_ONLY=False, num_warps=4)
+    at = do if dz is None else dz
+    _norm_bwd[(parts, heads)](dy.contiguous(), o, x, x.stride(0), w, do, at, at.stride(0), dw_part, T, z_col, steps,
+                              ZC=zc, D=d, BT=bt, EPS=eps, DO_DW=True, DZ_TOO=dz is not None, num_warps=4)
     return do, dw_part.sum((0, 1))
 
 
@@ -106,4 +110,4 @@ def norm_dz(dy: torch.Tensor, o: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
         return
     bt = 16
     _norm_bwd[(triton.cdiv(T, bt), heads)](dy.contiguous(), o, x, x.stride(0), w, dz, dz, dz.stride(0), dz, T, z_col,
-                                           1, ZC=zc, D=d, BT=bt, EPS=eps, DZ_ONLY=True, num_warps=4)
+                                           1, ZC=zc, D=d, BT=bt, EPS=eps, DO_DW=False, DZ_TOO=True, num_warps=4)
