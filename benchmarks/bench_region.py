@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", default="2,4,8")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--sweep", default="", help="more conv-backward launch shapes, ROWSxWARPSxPER_SM,...")
+    ap.add_argument("--fwd-sweep", default="", help="conv-forward launch shapes, ROWSxWARPS,...")
     args = ap.parse_args()
     from gdn_compat.fused import conv, gate, norm
     from gdn_compat.fused.region import token_bounds
@@ -60,10 +61,19 @@ def main() -> None:
     db = torch.empty(parts, C, device=dev, dtype=torch.float32)
     gbps = lambda nbytes, ms: nbytes / ms / 1e6  # noqa: E731
     rows = []
-    ms = timed(lambda: conv.conv_fwd(x, w, None, starts, q, 0, hk, d, rep, True, 1e-6), args.steps)
-    rows.append(("conv fwd q (l2norm, x2 repeat)", ms, T * qk * 2 + q.numel() * 2))
-    ms = timed(lambda: conv.conv_fwd(x, w, None, starts, vv, 2 * qk, hv, d, 1, False, 0.0), args.steps)
-    rows.append(("conv fwd v", ms, T * v * 2 * 2))
+    fwd_first = None
+    for fwd_rows, fwd_warps in [(conv.FWD_ROWS, conv.FWD_WARPS)] + [
+            tuple(int(n) for n in one.split("x")) for one in args.fwd_sweep.split(",") if one]:
+        conv.FWD_ROWS, conv.FWD_WARPS = fwd_rows, fwd_warps
+        shape = f"{fwd_rows} rows x {fwd_warps} warps"
+        ms = timed(lambda: conv.conv_fwd(x, w, None, starts, q, 0, hk, d, rep, True, 1e-6), args.steps)
+        rows.append((f"conv fwd q (l2norm, x2 repeat; {shape})", ms, T * qk * 2 + q.numel() * 2))
+        ms = timed(lambda: conv.conv_fwd(x, w, None, starts, vv, 2 * qk, hv, d, 1, False, 0.0), args.steps)
+        rows.append((f"conv fwd v ({shape})", ms, T * v * 2 * 2))
+        got = (q.clone(), vv.clone())
+        fwd_first = fwd_first or got
+        same = torch.equal(got[0], fwd_first[0]) and torch.equal(got[1], fwd_first[1])
+        print(f"conv fwd {shape}: {'bitwise the first shape' if same else 'DIFFERS from the first shape'}")
     shapes = [(conv.BWD_ROWS, conv.BWD_WARPS, int(n)) for n in args.programs_per_sm.split(",")]
     if args.sweep:
         shapes += [tuple(int(n) for n in one.split("x")) for one in args.sweep.split(",")]
@@ -84,6 +94,7 @@ def main() -> None:
             assert torch.equal(got[0], first[0]), f"conv bwd dx differs at {shape}"
             off = ((got[1] - first[1]).norm() / first[1].norm()).item()  # the row sums' order follows the layout
             assert off <= 1e-5, f"conv bwd dw differs by {off:.1e} (relative) at {shape}"
+            print(f"conv bwd {shape}: dx bitwise, dw {'bitwise' if off == 0 else f'within {off:.1e}'}")
     a_log = torch.randn(hv, device=dev, dtype=bf)
     dt = torch.randn(hv, device=dev, dtype=bf)
     ms = timed(lambda: gate.gate_fwd(x, a_log, dt, 2 * qk + 2 * v + hv, 2 * qk + 2 * v, hv), args.steps)
@@ -98,7 +109,7 @@ def main() -> None:
     print(f"fused-region kernels, {T} tokens, {torch.cuda.get_device_name() if dev == 'cuda' else dev}, Triton "
           f"{__import__('triton').__version__}")
     for name, ms, nbytes in rows:
-        print(f"  {name:<34} {ms:8.3f} ms  {gbps(nbytes, ms):7.0f} GB/s")
+        print(f"  {name:<56} {ms:8.3f} ms  {gbps(nbytes, ms):7.0f} GB/s")
 
 
 if __name__ == "__main__":
