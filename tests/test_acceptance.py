@@ -143,7 +143,15 @@ def _run_cell(ref: dict, cell: Cell, recompute: bool, rank_tp: int, rank_cp: int
         for name, p in model.named_parameters():
             p.copy_(M.split(name, ref["state"][name], tp, rank_tp))
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    errors: dict = {"bits": {}}
+    errors: dict = {"bits": {}, "calls": {"packed": 0, "fused": 0}}
+    import gdn_compat.fused.region as fused_region  # the fused cells must really run gdn_compat's region
+    import gdn_compat.patches.gdn_thd as thd
+
+    def counting(kind, fn):
+        def call(*args, **kwargs):
+            errors["calls"][kind] += 1
+            return fn(*args, **kwargs)
+        return call
     for pack, (lengths, padded) in PACKS.items():
         batch = M.packed_batch(lengths, padded)
         if cp > 1 and any(s % (2 * cp) for s in batch["slots"]):
@@ -151,11 +159,14 @@ def _run_cell(ref: dict, cell: Cell, recompute: bool, rank_tp: int, rank_cp: int
         slots = batch["slots"]
         local = (lambda t, slots=slots: shard(t, slots, cp, rank_cp)) if cp > 1 else (lambda t: t)
         ddp.zero_grad_buffer()
-        loss = ddp(input_ids=local(batch["ids"])[None], position_ids=local(batch["positions"])[None],
-                   attention_mask=None, labels=local(batch["labels"])[None], packed_seq_params=batch["psp"],
-                   **({"loss_mask": local(batch["mask"])[None]} if mtp else {}))
-        # per-token MTP loss (calculate_per_token_loss): DDP sums grads over cp instead of averaging
-        ((loss[0] * local(batch["mask"])).sum() * (1 if mtp else cp)).backward()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused_region, "region", counting("fused", fused_region.region))
+            mp.setattr(thd, "packed_forward", counting("packed", thd.packed_forward))
+            loss = ddp(input_ids=local(batch["ids"])[None], position_ids=local(batch["positions"])[None],
+                       attention_mask=None, labels=local(batch["labels"])[None], packed_seq_params=batch["psp"],
+                       **({"loss_mask": local(batch["mask"])[None]} if mtp else {}))
+            # per-token MTP loss (calculate_per_token_loss): DDP sums grads over cp instead of averaging
+            ((loss[0] * local(batch["mask"])).sum() * (1 if mtp else cp)).backward()
         finalize_model_grads([ddp])
         real = local(batch["mask"]).bool()
         errs = {"loss": _rel(loss.detach()[0][real], local(ref[pack]["loss"])[real])}
@@ -240,7 +251,12 @@ def test_packed_training_step_matches_per_sequence_runs(matrix, cell, recompute)
         assert "Packed sequence does not support deterministic mode" in got, f"{where}: another failure: {got}"
         pytest.xfail(f"{where}: {got[:160]} -- needs gdn_thd_deterministic (#15)")
     assert not isinstance(got, str), f"{where}: {got}"
-    got = {pack: errs for pack, errs in got.items() if pack != "bits"}
+    # every packed GDN call of a fused cell (each layer's, the MTP layer's, recompute's) runs the fused region, and
+    # no other cell's does
+    calls = got["calls"]
+    assert calls["fused"] == (calls["packed"] if cell.fused else 0) and (calls["packed"] > 0 or not cell.fused), \
+        f"{where}: {calls}"
+    got = {pack: errs for pack, errs in got.items() if pack not in ("bits", "calls")}
     worst = {pack: max((v, k) for k, v in errs.items() if not k.endswith(OUT_NORM)) for pack, errs in got.items()}
     print(f"\n[acceptance {where}] worst rel error (excluding out_norm): "
           + ", ".join(f"{p} {v:.1e} ({k})" for p, (v, k) in worst.items()))

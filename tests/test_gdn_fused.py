@@ -138,3 +138,22 @@ def test_a_layer_the_kernels_do_not_fit_keeps_the_unfused_path_and_says_why(mega
         got = packed_run(odd, x, packed(offsets(LENGTHS)))
     assert "gdn_fused not used for a packed GDN call: the fused kernels need power-of-2 head dims" in caplog.text
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_an_rmsnorm_subclass_with_its_own_forward_keeps_the_unfused_path(layer, caplog):
+    # the fused gated norm computes torch's RMSNorm: a subclass that computes something else must not be taken for it
+    class Doubled(torch.nn.RMSNorm):
+        def forward(self, x):
+            return 2.0 * super().forward(x)
+
+    norm = Doubled(layer.value_head_dim, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(layer.out_norm.weight)
+    layer.out_norm = norm
+    x = _x(sum(LENGTHS), seed=10)
+    with gdn_compat.applied():
+        want = packed_run(layer, x, packed(offsets(LENGTHS)))
+    with caplog.at_level(logging.INFO, logger="gdn_compat"), _fused():
+        got = packed_run(layer, x, packed(offsets(LENGTHS)))
+    assert "overrides torch.nn.RMSNorm.forward" in caplog.text
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -22,18 +22,14 @@ VOCAB = 128
 SHAPE = dict(hidden=64, dk=8, dv=8, hk=4, hv=8, ffn=96)  # heads divide by tp x cp = 4
 
 
-class SPNorm(torch.nn.Module):
-    """RMSNorm whose weight says it is replicated over a sequence-parallel region, as TE's norm
-    does (megatron's own torch norm refuses sequence_parallel); finalize_model_grads sums its grad."""
+class SPNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm (its own forward) whose weight says it is replicated over a sequence-parallel region, as
+    TE's norm does (megatron's own torch norm refuses sequence_parallel); finalize_model_grads sums its grad.
+    As GDN's out_norm it is a norm gdn_fused's gated norm runs (tests/test_acceptance.py checks that it does)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = config.sequence_parallel
-
-    def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 MTP_SCALE = 0.3  # mtp_loss_scaling_factor

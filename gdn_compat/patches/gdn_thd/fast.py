@@ -172,6 +172,9 @@ def out_norm(layer: Any) -> tuple[torch.Tensor, float, bool] | str:
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (dv,):
         return f"out_norm {type(norm).__qualname__} has no weight of shape ({dv},)"
     if isinstance(norm, torch.nn.RMSNorm):
+        if type(norm).forward is not torch.nn.RMSNorm.forward:  # a subclass that computes something else
+            return (f"out_norm {type(norm).__module__}.{type(norm).__qualname__} overrides torch.nn.RMSNorm.forward; "
+                    f"the fused gated norm computes torch's RMSNorm only")
         eps = norm.eps if norm.eps is not None else torch.finfo(weight.dtype).eps
         return weight, float(eps), False
     te = type(norm).__module__.startswith("transformer_engine") and type(norm).__name__ == "RMSNorm"
