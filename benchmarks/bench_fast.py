@@ -2,7 +2,8 @@
 forward + backward, and bench_graphs' 8-layer stack. One process; the configurations are interleaved round by
 round (each round: every configuration, median of --steps steps), so clocks and thermals hit them alike.
 
-    python -m benchmarks.bench_fast [--rounds 3] [--steps 5] [--json FILE] [--no-stack]   (repository root)
+    python -m benchmarks.bench_fast [--rounds 3] [--steps 5] [--json FILE] [--no-stack] [--no-peak] [--no-layer]
+                                    [--configs default,fused,flashqla,fused+flashqla]   (repository root)
 
 Per configuration and pack (16k = design.md's 9 sequences, rl = 16 sequences, 8,393 tokens):
 * wall: eager forward + backward, CUDA events, median over rounds of each round's median;
@@ -24,6 +25,7 @@ import argparse
 import collections
 import contextlib
 import json
+import logging
 import statistics
 import time
 
@@ -185,19 +187,53 @@ def peak_rows(configs: dict, tokens: int = 65536) -> dict:
     return out
 
 
+class NotTaken(logging.Handler):
+    """The fast paths a configuration's calls did not take, and why (gdn_compat logs each reason once per process:
+    ``clear`` forgets what was said, so every configuration's reasons are logged again)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "not used for a packed GDN call" in record.getMessage():
+            self.reasons.append(record.getMessage())
+
+    def clear(self) -> None:
+        from gdn_compat.patches.gdn_thd import fast
+
+        fast._said.clear()
+        self.reasons = []
+
+
 def stack_rows(reps: int, configs: dict) -> dict:
+    """The 8-layer stack per configuration; each row lists the fast paths its calls did not take. (Before
+    2026-12-02 the stack's GDN out_norm, tests.support.model.SPNorm, was a plain Module that the fused norm does not
+    know, so the gdn_fused rows of those runs ran the unfused path; it is a torch.nn.RMSNorm now.)"""
     import gdn_compat
     from benchmarks.bench_graphs import STACK_SHAPE, rows_for
     from tests.support import model as M
 
     model = M.build(M.config(shape=STACK_SHAPE, bf16=True, layers=8), seed=0, device="cuda")
+    watch = NotTaken()
+    log = logging.getLogger("gdn_compat")
+    log.addHandler(watch)
+    log.setLevel(min(log.getEffectiveLevel(), logging.INFO))
     rows = {}
-    for cfg, switches in configs.items():
-        graphed = cfg != "default"  # the default path on 0.18/0.19 is native (host reads): not capturable
-        with gdn_compat.applied(**switches):
-            got = rows_for(model, "rl", reps, graphed)
-        rows.update({f"{cfg}: {k}": v for k, v in got.items()})
-        torch.cuda.empty_cache()
+    try:
+        for cfg, switches in configs.items():
+            graphed = cfg != "default"  # the default path on 0.18/0.19 is native (host reads): not capturable
+            watch.clear()
+            with gdn_compat.applied(**switches):
+                got = rows_for(model, "rl", reps, graphed)
+            for row in got.values():
+                row["paths_not_taken"] = sorted(set(watch.reasons))
+            if switches and watch.reasons:
+                print(f"  WARNING {cfg}: a fast path was not taken: {sorted(set(watch.reasons))}")
+            rows.update({f"{cfg}: {k}": v for k, v in got.items()})
+            torch.cuda.empty_cache()
+    finally:
+        log.removeHandler(watch)
     return rows
 
 
@@ -209,6 +245,7 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--no-stack", action="store_true")
     ap.add_argument("--no-peak", action="store_true")
+    ap.add_argument("--no-layer", action="store_true", help="only the 64k peak and the stack")
     args = ap.parse_args()
     from torch._dynamo import config as dynamo_config
 
@@ -223,7 +260,9 @@ def main() -> None:
         facts = gdn_compat.probe(init_cuda=True)
         if facts.flashqla is None:
             configs = {k: v for k, v in configs.items() if "gdn_flashqla" not in v}
-        result["layer"], profile = layer_rows(args.rounds, args.steps, configs)
+        profile = None
+        if not args.no_layer:
+            result["layer"], profile = layer_rows(args.rounds, args.steps, configs)
         if not args.no_peak:
             result["peak_64k"] = peak_rows(configs)
             print("one layer at 64k tokens:", json.dumps(result["peak_64k"]))
@@ -232,8 +271,9 @@ def main() -> None:
                 result["stack"] = stack_rows(20, configs)
             for k, v in result.get("stack", {}).items():
                 print(f"  {k:<70} {v['ms']:>8.2f} ms")
-        profile()  # last: no wall clock after it
-        _print_layer(result["layer"])
+        if profile is not None:
+            profile()  # last: no wall clock after it
+            _print_layer(result["layer"])
     mc = facts.megatron.version if facts.megatron else None
     result.update({"megatron_core": mc, "fla": str(facts.fla), "flashqla": str(facts.flashqla), "torch": torch.__version__,
                    "gpu": torch.cuda.get_device_name(), "packs": PACKS})

@@ -10,6 +10,9 @@ export CUBLAS_WORKSPACE_CONFIG=:4096:8
 if [ ! -d /tmp/triton-cache ] && ls .tcache/tcache.tar.xz.* >/dev/null 2>&1; then  # a carried Triton cache
   cat .tcache/tcache.tar.xz.* | tar -C /tmp -xJf - && echo "[plan] Triton/inductor cache restored: $(du -sh /tmp/triton-cache | cut -f1)"
 fi
+if [ ! -d /tmp/tilelang-cache ] && ls .tcache/qcache.tar.xz.* >/dev/null 2>&1; then  # a carried TileLang cache
+  cat .tcache/qcache.tar.xz.* | tar -C /tmp -xJf - && echo "[plan] TileLang cache restored: $(du -sh /tmp/tilelang-cache | cut -f1)"
+fi
 mkdir -p /tmp/done "$LOGS"
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 for v in 0.16.1 0.17.1 0.18.2 0.19.2; do  # the carried wheels only
@@ -39,8 +42,13 @@ finish() {  # finish GREP_PATTERN: the matching log lines, the steps' exit codes
   [ -n "${OUT:-}" ] || return 0
   for f in $LOGS/*.log; do echo "===== $(basename $f)"; cat $f; done > $OUT/all-logs.txt
   tar -C $LOGS -cf $OUT/json.tar $(cd $LOGS && ls *.json 2>/dev/null) 2>/dev/null
-  if [ "${SAVE_CACHE:-1}" = 1 ]; then  # for the next fresh machine: at most 4 parts of 15 MiB
-    tar -C /tmp -cf - triton-cache inductor-cache tilelang-cache 2>/dev/null | xz -T0 -2 | split -b 15M -a 1 - $OUT/tcache.tar.xz.
-    n=$(ls $OUT/tcache.tar.xz.* | wc -l); [ "$n" -le 4 ] || { echo "[plan] cache too big ($n parts): not kept"; rm -f $OUT/tcache.tar.xz.*; }
+  if [ "${SAVE_CACHE:-1}" = 1 ]; then  # for the next fresh machine: Triton (cubin + json) and inductor, then TileLang
+    (cd /tmp && find triton-cache -name '*.cubin' -o -name '*.json' | tar -cf - -T - inductor-cache 2>/dev/null) \
+      | xz -T0 -2 | split -b 15M -a 1 - $OUT/tcache.tar.xz.
+    [ -d /tmp/tilelang-cache ] && tar -C /tmp -cf - tilelang-cache | xz -T0 -2 | split -b 15M -a 1 - $OUT/qcache.tar.xz.
+    for kind in tcache qcache; do
+      n=$(ls $OUT/$kind.tar.xz.* 2>/dev/null | wc -l)
+      [ "$n" -le 3 ] || { echo "[plan] $kind too big ($n parts): not kept"; rm -f $OUT/$kind.tar.xz.*; }
+    done
   fi
 }
