@@ -231,6 +231,8 @@ def stack_rows(reps: int, configs: dict) -> dict:
             if switches and watch.reasons:
                 print(f"  WARNING {cfg}: a fast path was not taken: {sorted(set(watch.reasons))}")
             rows.update({f"{cfg}: {k}": v for k, v in got.items()})
+            for k, v in got.items():
+                print(f"  [stack] {cfg}: {k}: {v['ms']:.2f} ms", flush=True)
             torch.cuda.empty_cache()
     finally:
         log.removeHandler(watch)

@@ -45,6 +45,6 @@ step qla 100 $(PP 0.19.2) $PT tests/gpu/test_fast_gpu.py -k "flashqla"
 step bench-all 120 $(PP 0.19.2) python3 -m benchmarks.bench_fast --rounds 2 --json $LOGS/fast-all-0.19.2.json
 step bench-qla 40 $(PP 0.19.2) python3 -m benchmarks.bench_fast --configs ${CONFIGS:-default,flashqla,fused+flashqla} --rounds 2 \
   --no-stack --json $LOGS/fast-qla-0.19.2.json
-step stack 60 $(PP 0.19.2) python3 -m benchmarks.bench_fast --no-layer --no-peak --json $LOGS/fast-stack-0.19.2.json
+step stack 60 $(PP 0.19.2) python3 -m benchmarks.bench_fast --no-layer --no-peak --configs ${CONFIGS:-default,fused+flashqla,fused,flashqla} --json $LOGS/fast-stack-0.19.2.json
 finish "passed\|failed\|Error\|error\|^\[\|^  \|ratio\|bitwise\|^megatron-core\|^config\|^default\|^fused\|^flashqla\|outside"
 true
