@@ -128,16 +128,21 @@ def test_deterministic_mode_repeats_bit_for_bit(layer):
         assert all(torch.equal(grads[n], runs[0][2][n]) for n in grads)
 
 
+def _keeps_the_unfused_path(layer, seed: int, caplog, reason: str) -> None:
+    """With gdn_fused on, ``layer`` logs ``reason`` and computes exactly what the unfused packed path does."""
+    x = _x(sum(LENGTHS), seed=seed)
+    with gdn_compat.applied():
+        want = packed_run(layer, x, packed(offsets(LENGTHS)))
+    with caplog.at_level(logging.INFO, logger="gdn_compat"), _fused():
+        got = packed_run(layer, x, packed(offsets(LENGTHS)))
+    assert f"gdn_fused not used for a packed GDN call: {reason}" in caplog.text
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_a_layer_the_kernels_do_not_fit_keeps_the_unfused_path_and_says_why(megatron_cpu, monkeypatch, caplog):
     use_torch_l2norm(monkeypatch)
     odd = build_gdn(megatron_cpu, deterministic=True, hk=2, hv=4, dk=12, dv=12)  # head dims not powers of 2
-    x = _x(sum(LENGTHS), seed=9)
-    with gdn_compat.applied():
-        want = packed_run(odd, x, packed(offsets(LENGTHS)))
-    with caplog.at_level(logging.INFO, logger="gdn_compat"), _fused():
-        got = packed_run(odd, x, packed(offsets(LENGTHS)))
-    assert "gdn_fused not used for a packed GDN call: the fused kernels need power-of-2 head dims" in caplog.text
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _keeps_the_unfused_path(odd, 9, caplog, "the fused kernels need power-of-2 head dims")
 
 
 def test_an_rmsnorm_subclass_with_its_own_forward_keeps_the_unfused_path(layer, caplog):
@@ -150,10 +155,5 @@ def test_an_rmsnorm_subclass_with_its_own_forward_keeps_the_unfused_path(layer, 
     with torch.no_grad():
         norm.weight.copy_(layer.out_norm.weight)
     layer.out_norm = norm
-    x = _x(sum(LENGTHS), seed=10)
-    with gdn_compat.applied():
-        want = packed_run(layer, x, packed(offsets(LENGTHS)))
-    with caplog.at_level(logging.INFO, logger="gdn_compat"), _fused():
-        got = packed_run(layer, x, packed(offsets(LENGTHS)))
+    _keeps_the_unfused_path(layer, 10, caplog, "out_norm ")
     assert "overrides torch.nn.RMSNorm.forward" in caplog.text
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
