@@ -6,12 +6,12 @@
   projection and the delta rule and between the delta rule and the output projection (``gdn_compat.fused``),
   around whichever delta-rule core applies (FlashQLA's when ``flashqla`` is on too, else fla's).
 
-A call that cannot take a path keeps the default one, and the reason is logged once per process (INFO on the
-``gdn_compat`` logger). One case is an error instead, because no fallback could be silent there: FlashQLA
-under CUDA-graph capture or with a ``PackBuffer`` when the installed FlashQLA does not take a pack's chunk
-metadata from its offsets tensor (then it would read a chunk count on the host). Where it does (flash-qla
-0.1.3), a graph-safe pack hands FlashQLA metadata built by device ops with sizes from shapes only
-(``flashqla_cu``), so one capture replays any layout, as with fla.
+A call that cannot take a path keeps the default one, and the reason is logged once per process (a WARNING on the
+``gdn_compat`` logger; INFO for an empty pack). One case is an error instead, because no fallback could be silent
+there: FlashQLA under CUDA-graph capture or with a ``PackBuffer`` when the installed FlashQLA does not take a pack's
+chunk metadata from its offsets tensor (then it would read a chunk count on the host). Where it does (flash-qla
+0.1.3), a graph-safe pack hands FlashQLA metadata built by device ops with sizes from shapes only (``flashqla_cu``),
+so one capture replays any layout, as with fla.
 """
 
 from __future__ import annotations
@@ -48,11 +48,16 @@ class Fast:
 
 NONE = Fast()  # the default paths only
 
+EMPTY_PACK = "an empty pack (no tokens)"
+
+
 def note(path: str, reason: str) -> None:
-    """Log once per process that a call did not take ``path``, and why."""
+    """Log once per process that a call did not take ``path``, which the user switched on, and why: a WARNING (the
+    reason is the layer's, the GPU's or the install's, so every such call falls back), INFO for an empty pack."""
     if (path, reason) not in _said:
         _said.add((path, reason))
-        log.info("%s not used for a packed GDN call: %s; it runs the default path", path, reason)
+        log.log(logging.INFO if reason == EMPTY_PACK else logging.WARNING,
+                "%s not used for a packed GDN call: %s; it runs the default path (said once per process)", path, reason)
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,7 +84,7 @@ def flashqla_skip(fast: Fast, layer: Any, loc: Any, x: torch.Tensor, pack: Pack)
     if not x.is_cuda:
         return "FlashQLA needs a CUDA tensor"
     if x.shape[0] == 0:
-        return "an empty pack (no tokens)"
+        return EMPTY_PACK
     capability = tuple(torch.cuda.get_device_capability(x.device))
     if capability not in FLASHQLA_GPUS:
         return f"FlashQLA's kernels with a backward are for sm90/sm100/sm103, this GPU is sm_{capability[0]}{capability[1]}"
