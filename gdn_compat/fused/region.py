@@ -97,9 +97,9 @@ class Region(torch.autograd.Function):
         zc = 1.0 if spec.zero_centered else 0.0
         dy = dy.reshape(o.shape)
         z_cols = slice(z_col, z_col + spec.hv * spec.dv)
-        early = spec.core.lean_backward  # dx before the core's backward: dz from the norm's one pass
-        dx = torch.empty_like(x) if early else None
-        do, dnorm_w = norm.norm_bwd(dy, o, x, norm_w, z_col, spec.norm_eps, zc, dz=dx[:, z_cols] if early else None)
+        # a lean core backward: dx before it, dz from the norm's one pass
+        dx = torch.empty_like(x) if spec.core.lean_backward else None
+        do, dnorm_w = norm.norm_bwd(dy, o, x, norm_w, z_col, spec.norm_eps, zc, dz=None if dx is None else dx[:, z_cols])
         q, k, v, g, beta = prepare(x, conv_w, conv_b, a_log, dt_bias, starts, spec)
         dq, dk, dv, dg, dbeta = spec.core.backward(q, k, v, g, beta, tuple(saved), do[None])
         del q, k, v, g, beta, do
