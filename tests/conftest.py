@@ -72,3 +72,14 @@ def megatron_cpu():
 
     with world(cuda=torch.cuda.is_available()) as device:
         yield device
+
+
+@pytest.fixture
+def fresh_fallback_notes():
+    """gdn_compat says each fast-path fallback once per process and reason: a test that looks for one, or rules one
+    out, starts with none said, so it sees what its own calls did."""
+    from gdn_compat.patches.gdn_thd import fast
+
+    fast._said.clear()
+    yield
+    fast._said.clear()

@@ -36,6 +36,7 @@ def installed(monkeypatch):
     monkeypatch.setattr(_probe, "_probe_flashqla", fake)
 
 
+@pytest.mark.usefixtures("fresh_fallback_notes")
 def test_on_the_cpu_a_packed_call_keeps_fla_and_says_why(installed, megatron_cpu, monkeypatch, caplog):
     facts = gdn_compat.probe()
     [rec] = [r for r in gdn_compat.plan(facts, gdn_flashqla=True) if r.name == "gdn_flashqla"]

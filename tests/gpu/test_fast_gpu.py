@@ -53,7 +53,7 @@ def _config(name: str) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def recompile_limit(monkeypatch, megatron_cpu):
+def recompile_limit(monkeypatch, megatron_cpu, fresh_fallback_notes):
     assert megatron_cpu == "cuda"
     if FACTS.gdn_thd not in ("native", "refuses"):
         pytest.skip(f"megatron-core {MEGATRON} has no GatedDeltaNet")
