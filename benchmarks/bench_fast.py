@@ -188,11 +188,11 @@ def peak_rows(configs: dict, tokens: int = 65536) -> dict:
 
 
 class NotTaken(logging.Handler):
-    """The fast paths a configuration's calls did not take, and why (gdn_compat logs each reason once per process:
+    """The fast paths a configuration's calls did not take, and why (gdn_compat warns once per process and reason:
     ``clear`` forgets what was said, so every configuration's reasons are logged again)."""
 
     def __init__(self):
-        super().__init__(logging.INFO)
+        super().__init__()
         self.reasons: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -202,7 +202,7 @@ class NotTaken(logging.Handler):
     def clear(self) -> None:
         from gdn_compat.patches.gdn_thd import fast
 
-        fast._said.clear()
+        fast.forget_notes()
         self.reasons = []
 
 
@@ -218,7 +218,6 @@ def stack_rows(reps: int, configs: dict) -> dict:
     watch = NotTaken()
     log = logging.getLogger("gdn_compat")
     log.addHandler(watch)
-    log.setLevel(min(log.getEffectiveLevel(), logging.INFO))
     rows = {}
     try:
         for cfg, switches in configs.items():
@@ -271,8 +270,6 @@ def main() -> None:
         if not args.no_stack:
             with contextlib.suppress(torch.cuda.OutOfMemoryError):
                 result["stack"] = stack_rows(20, configs)
-            for k, v in result.get("stack", {}).items():
-                print(f"  {k:<70} {v['ms']:>8.2f} ms")
         if profile is not None:
             profile()  # last: no wall clock after it
             _print_layer(result["layer"])

@@ -80,6 +80,6 @@ def fresh_fallback_notes():
     out, starts with none said, so it sees what its own calls did."""
     from gdn_compat.patches.gdn_thd import fast
 
-    fast._said.clear()
+    fast.forget_notes()
     yield
-    fast._said.clear()
+    fast.forget_notes()

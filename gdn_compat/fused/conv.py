@@ -17,11 +17,11 @@ section (q, k, v): ``da`` (the pre-activation gradient, through l2norm and SiLU)
 scratch of its program, and ``dx[u] = sum_s w[W-1-s] * da[u+s]`` (``u+s`` in ``u``'s sequence) reads it back
 from there, and so does the weight gradient ``dw[W-1-s] += da[u+s] * x[u]``: no ``[T, C]`` buffer of ``da``, no
 second pass over it or over ``x``. (H200, 16k tokens, the three sections in the layer: this kernel 0.78 ms at 8 rows
-x 2 warps x 8 programs per SM, 0.83 ms at 8 x 4 x 8, 1.11 ms at 16 x 4 x 4; q and v sections alone 0.25 + 0.41 ms
-against 0.28 + 0.42 at 8 x 4 x 8 (benchmarks/results/h200-region-0.19.2.txt); before, one pass that recomputed ``da`` at the ``W`` shifted rows in
-registers, 3.4 ms; two passes through a bf16 ``da`` buffer, 1.9 ms plus the second pass, and the buffer raised the
-64k peak by 0.5 GiB; fla's conv backward 0.94 ms. It is bound by the latency of each program's chain of blocks,
-not by traffic: ~0.77 GB, a ~0.18 ms floor.)
+x 2 warps x 8 programs per SM, 0.83 ms at 8 x 4 x 8, 1.11 ms at 16 x 4 x 4; the q and v sections alone 0.25 + 0.41
+ms against 0.28 + 0.42 at 8 x 4 x 8, benchmarks/results/h200-region-0.19.2.txt. Before, one pass that recomputed
+``da`` at the ``W`` shifted rows in registers, 3.4 ms; two passes through a bf16 ``da`` buffer, 1.9 ms plus the
+second pass, and the buffer raised the 64k peak by 0.5 GiB; fla's conv backward 0.94 ms. It is bound by the
+latency of each program's chain of blocks, not by traffic: ~0.77 GB, a ~0.18 ms floor.)
 """
 
 from __future__ import annotations
@@ -98,36 +98,6 @@ def _tap_store(DW, base, c, acc, S: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _da_block(X, sx, Wc, STARTS, ENDS, DOUT, rows, c, cols, bias, h, heads, T,
-              D: tl.constexpr, W: tl.constexpr, REP: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr,
-              EPS: tl.constexpr):
-    """One block's (inb, end, x0, da): ``da`` the pre-activation gradient of rows ``rows`` (through l2norm and SiLU,
-    ``a`` recomputed from ``x``), 0 past ``T``; ``x0`` the block's own input rows, fp32."""
-    inb = rows < T
-    start = tl.load(STARTS + rows, mask=inb, other=0)
-    end = tl.load(ENDS + rows, mask=inb, other=0)
-    x0 = tl.load(X + rows.to(tl.int64)[:, None] * sx + c[None, :], mask=inb[:, None], other=0.0).to(tl.float32)
-    a = x0 * tl.load(Wc + c * W + (W - 1)).to(tl.float32)[None, :] + bias[None, :]
-    for s in tl.static_range(1, W):
-        src = rows - s  # loaded without waiting for start; rows before it are zeroed after
-        x = tl.load(X + src.to(tl.int64)[:, None] * sx + c[None, :], mask=(inb & (src >= 0))[:, None], other=0.0)
-        x = tl.where((src >= start)[:, None], x.to(tl.float32), 0.0)
-        a += x * tl.load(Wc + c * W + (W - 1 - s)).to(tl.float32)[None, :]
-    sig = tl.sigmoid(a)
-    u = a * sig
-    g = tl.zeros([BT, D], dtype=tl.float32)
-    for r in tl.static_range(REP):  # the repeated heads' gradients, summed in a fixed order
-        at = DOUT + (rows.to(tl.int64)[:, None] * (heads * REP) + h * REP + r) * D + cols[None, :]
-        g += tl.load(at, mask=inb[:, None], other=0.0).to(tl.float32)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(u * u, 1) + EPS)
-        n = u * rstd[:, None]
-        g = (g - n * tl.sum(g * n, 1)[:, None]) * rstd[:, None]
-    da = tl.where(inb[:, None], g * sig * (1.0 + a * (1.0 - sig)), 0.0)
-    return inb, end, x0, da
-
-
-@triton.jit
 def _conv_bwd(X, sx, Wc, Bc, STARTS, ENDS, DOUT, DX, sdx, SCRATCH, DW, DB, T, col0, CT, steps, items, heads,
               D: tl.constexpr, W: tl.constexpr, REP: tl.constexpr, NORM: tl.constexpr,
               HAS_BIAS: tl.constexpr, BT: tl.constexpr, EPS: tl.constexpr):
@@ -138,8 +108,8 @@ def _conv_bwd(X, sx, Wc, Bc, STARTS, ENDS, DOUT, DX, sdx, SCRATCH, DW, DB, T, co
     ``da[u+s]`` come from the current slot or from the previous block's. Each shifted tile serves both
     ``dx[u] += w[W-1-s] * da[u+s]`` and the weight gradient ``dw[W-1-s] += da[u+s] * x[u]`` (the pair (u, u+s)
     counted in the block of u, so once), with one accumulator per tap. (Keeping the previous block's ``da`` in
-    registers and shifting with ``tl.gather`` gives the same bits but was slower on the H200: 0.42 + 0.66 ms for
-    the q and v sections at 16k against 0.32 + 0.46 ms, Triton 3.6.)"""
+    registers and shifting with ``tl.gather`` instead gives the same bits but was slower on the H200: 0.42 + 0.66
+    ms for the q and v sections at 16k against 0.32 + 0.46 ms through the scratch, both at 8 rows x 4 warps.)"""
     p = tl.program_id(0)
     nprog = tl.num_programs(0)
     j = tl.arange(0, BT)
@@ -159,8 +129,28 @@ def _conv_bwd(X, sx, Wc, Bc, STARTS, ENDS, DOUT, DX, sdx, SCRATCH, DW, DB, T, co
         for it in range(steps + 1):
             real = it > 0  # it == 0: the next range's first block, only its da is wanted
             rows = (part * steps + steps - it) * BT + j
-            inb, end, x0, da = _da_block(X, sx, Wc, STARTS, ENDS, DOUT, rows, c, cols, bias, h, heads, T,
-                                         D, W, REP, NORM, BT, EPS)
+            inb = rows < T
+            start = tl.load(STARTS + rows, mask=inb, other=0)
+            end = tl.load(ENDS + rows, mask=inb, other=0)
+            x0 = tl.load(X + rows.to(tl.int64)[:, None] * sx + c[None, :], mask=inb[:, None], other=0.0).to(tl.float32)
+            a = x0 * tl.load(Wc + c * W + (W - 1)).to(tl.float32)[None, :] + bias[None, :]
+            for s in tl.static_range(1, W):
+                src = rows - s  # loaded without waiting for start; rows before it are zeroed after
+                x = tl.load(X + src.to(tl.int64)[:, None] * sx + c[None, :], mask=(inb & (src >= 0))[:, None],
+                            other=0.0)
+                x = tl.where((src >= start)[:, None], x.to(tl.float32), 0.0)
+                a += x * tl.load(Wc + c * W + (W - 1 - s)).to(tl.float32)[None, :]
+            sig = tl.sigmoid(a)
+            u = a * sig
+            g = tl.zeros([BT, D], dtype=tl.float32)
+            for r in tl.static_range(REP):  # the repeated heads' gradients, summed in a fixed order
+                at = DOUT + (rows.to(tl.int64)[:, None] * (heads * REP) + h * REP + r) * D + cols[None, :]
+                g += tl.load(at, mask=inb[:, None], other=0.0).to(tl.float32)
+            if NORM:
+                rstd = tl.rsqrt(tl.sum(u * u, 1) + EPS)
+                n = u * rstd[:, None]
+                g = (g - n * tl.sum(g * n, 1)[:, None]) * rstd[:, None]
+            da = tl.where(inb[:, None], g * sig * (1.0 + a * (1.0 - sig)), 0.0)
             slot = it % 2
             tl.store(buf + slot * (BT * D) + j[:, None] * D + cols[None, :], da)
             tl.debug_barrier()  # the slot is read by other threads of this program below
@@ -221,9 +211,10 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, starts: t
     items = dw_part.shape[0] * heads
     programs = min(items, _resident(x.device))
     scratch = torch.empty(programs, 2, bt, d, device=x.device, dtype=torch.float32)
-    _conv_bwd[(programs,)](x, x.stride(0), w, w if b is None else b, starts, ends, dout, dx, dx.stride(0), scratch,
-                           dw_part, db_part, T, col0, w.shape[0], TOKENS_PER_PROGRAM // bt, items, heads, D=d, W=width,
-                           REP=rep, NORM=norm, HAS_BIAS=b is not None, BT=bt, EPS=eps, num_warps=warps)
+    _conv_bwd[(programs,)](
+        x, x.stride(0), w, w if b is None else b, starts, ends, dout, dx, dx.stride(0), scratch, dw_part, db_part, T,
+        col0, w.shape[0], TOKENS_PER_PROGRAM // bt, items, heads, D=d, W=width, REP=rep, NORM=norm,
+        HAS_BIAS=b is not None, BT=bt, EPS=eps, num_warps=warps)
 
 
 @functools.cache

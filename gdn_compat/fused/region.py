@@ -99,7 +99,8 @@ class Region(torch.autograd.Function):
         z_cols = slice(z_col, z_col + spec.hv * spec.dv)
         # a lean core backward: dx before it, dz from the norm's one pass
         dx = torch.empty_like(x) if spec.core.lean_backward else None
-        do, dnorm_w = norm.norm_bwd(dy, o, x, norm_w, z_col, spec.norm_eps, zc, dz=None if dx is None else dx[:, z_cols])
+        dz = None if dx is None else dx[:, z_cols]
+        do, dnorm_w = norm.norm_bwd(dy, o, x, norm_w, z_col, spec.norm_eps, zc, dz=dz)
         q, k, v, g, beta = prepare(x, conv_w, conv_b, a_log, dt_bias, starts, spec)
         dq, dk, dv, dg, dbeta = spec.core.backward(q, k, v, g, beta, tuple(saved), do[None])
         del q, k, v, g, beta, do

@@ -60,6 +60,12 @@ def note(path: str, reason: str) -> None:
                 "%s not used for a packed GDN call: %s; it runs the default path (said once per process)", path, reason)
 
 
+def forget_notes() -> None:
+    """Forget which fallbacks were said, so the next of each is logged again (tests and benchmarks that check a
+    configuration's calls for fallbacks start from here)."""
+    _said.clear()
+
+
 @functools.lru_cache(maxsize=1)
 def flashqla() -> Any:
     import flash_qla  # needs CUDA and tilelang at import; imported on the first call that could use it
