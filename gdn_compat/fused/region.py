@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gdn_compat._autograd import once_differentiable
 from gdn_compat.fused import conv, gate, norm
 
 
@@ -89,6 +90,7 @@ class Region(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable("the fused GDN region (gdn_fused)")
     def backward(ctx, dy):  # type: ignore[override]
         x, conv_w, conv_b, a_log, dt_bias, norm_w, starts, ends, o, *saved = ctx.saved_tensors
         spec: Spec = ctx.spec

@@ -29,7 +29,7 @@ from gdn_compat._registry import MARKER, Patch, Target
 from gdn_compat.patches.gdn_thd import context_parallel as cpx
 from gdn_compat.patches.gdn_thd import fast
 from gdn_compat.patches.gdn_thd.fast import Fast
-from gdn_compat.patches.gdn_thd.kernels import Core, local_view
+from gdn_compat.patches.gdn_thd.kernels import UNFUSED_OWN, Core, local_view
 from gdn_compat.patches.gdn_thd.pack import PACKS, Pack, pack_for, rows_pack
 
 __all__ = ["PACKS", "PATCH", "carrier_skip", "fast_below", "needs_gdn_thd", "pack_of", "packed_forward", "route", "route_skip"]
@@ -159,12 +159,16 @@ def fla_backend(layer: Any) -> bool:
     return backend in (None, "fla")
 
 
-def route(facts: Facts, original: Any, takes: Callable[[Any], bool], paths: Fast = fast.NONE) -> Any:
+def route(facts: Facts, original: Any, takes: Callable[[Any], bool], paths: Fast = fast.NONE,
+          wants: Callable[[Any, Pack], bool] | None = None, must: str | None = None) -> Any:
     """A replacement for ``GatedDeltaNet.forward`` that runs this packed path for the packed calls
-    (``qkv_format='thd'``, no inference context) of layers ``takes(layer)`` selects, and ``original`` for every
-    other call: the one wrapper behind gdn_compat's routes. ``original`` is the 0.18/0.19 native-THD forward
-    (or a route over it), or on 0.16/0.17 gdn_thd's replacement (or a route over it); the wrapper has that
-    release's signature. ``paths`` (and those of routes underneath) choose the core's opt-in paths."""
+    (``qkv_format='thd'``, no inference context) of layers ``takes(layer)`` selects (and, given ``wants``, whose
+    pack ``wants(layer, pack)`` selects), and ``original`` for every other call: the one wrapper behind gdn_compat's
+    routes. ``original`` is the 0.18/0.19 native-THD forward (or a route over it), or on 0.16/0.17 gdn_thd's
+    replacement (or a route over it); the wrapper has that release's signature. ``paths`` (and those of routes
+    underneath) choose the core's opt-in paths. A layer whose class overrides a release method this path computes
+    itself (``UNFUSED_OWN``) keeps ``original``, said once; where ``original`` would be wrong for the call (``must``,
+    formatted with ``why``) that is an error instead."""
     below = fast_below(original)
     paths = paths | below
     core = Core(sys.modules[original.__module__], facts.fla_varlen, facts.fla_atomic_free, paths)
@@ -173,28 +177,45 @@ def route(facts: Facts, original: Any, takes: Callable[[Any], bool], paths: Fast
         return (packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
                 and inference_context is None and inference_params is None and fla_backend(self) and takes(self))
 
-    def run(self, hidden_states, packed_seq_params):
+    def run(self, hidden_states, packed_seq_params, release: Callable[[], Any]):
         cp = cpx.size_of(self)
-        return packed_forward(self, core, hidden_states, pack_of(self, hidden_states, packed_seq_params, cp), cp)
+        pack = pack_of(self, hidden_states, packed_seq_params, cp)
+        if wants is not None and not wants(self, pack):
+            return release()
+        own = core.foreign(self, UNFUSED_OWN)
+        if own:
+            why = (f"{type(self).__module__}.{type(self).__qualname__} overrides {', '.join(own)}, which gdn_compat's "
+                   f"packed path computes itself")
+            if must:
+                raise ValueError(must.format(why=why))
+            fast.note("gdn_compat's packed path", f"{why}; the release's own forward runs that layer")
+            return release()
+        return packed_forward(self, core, hidden_states, pack, cp)
 
     if facts.gdn_thd is Thd.REFUSES:  # 0.16/0.17: the legacy signature, gdn_thd underneath
         @functools.wraps(original)
         def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                     attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
                     inference_params=None, **kwargs):
+            def release():
+                return original(self, hidden_states, attention_mask, key_value_states, inference_context,
+                                attention_bias, packed_seq_params, sequence_len_offset,
+                                inference_params=inference_params, **kwargs)
+
             if packed(self, hidden_states, packed_seq_params, inference_context, inference_params):
-                return run(self, hidden_states, packed_seq_params)
-            return original(self, hidden_states, attention_mask, key_value_states, inference_context,
-                            attention_bias, packed_seq_params, sequence_len_offset,
-                            inference_params=inference_params, **kwargs)
+                return run(self, hidden_states, packed_seq_params, release)
+            return release()
     else:
         @functools.wraps(original)
         def forward(self, hidden_states, attention_mask, inference_context=None, packed_seq_params=None,
                     sequence_len_offset=None, *, inference_params=None, **kwargs):
+            def release():
+                return original(self, hidden_states, attention_mask, inference_context, packed_seq_params,
+                                sequence_len_offset, inference_params=inference_params, **kwargs)
+
             if packed(self, hidden_states, packed_seq_params, inference_context, inference_params):
-                return run(self, hidden_states, packed_seq_params)
-            return original(self, hidden_states, attention_mask, inference_context, packed_seq_params,
-                            sequence_len_offset, inference_params=inference_params, **kwargs)
+                return run(self, hidden_states, packed_seq_params, release)
+            return release()
 
     setattr(forward, FAST, paths)
     return forward

@@ -28,10 +28,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
+        # through the Function again, so a gradient of this gradient (create_graph=True) is exchanged too
+        return _AllToAll.apply(grad, ctx.group), None
 
 
 def load_balance_perm(lengths: list[int], cp: int) -> torch.Tensor:

@@ -176,8 +176,18 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def out_norm(layer: Any) -> tuple[torch.Tensor, float, bool] | str:
-    """(weight, eps, zero_centered) of the layer's output RMSNorm, or why the fused norm does not know it."""
+def norm_eps(eps: float | None, dtype: torch.dtype) -> float:
+    """The epsilon an RMSNorm with ``eps`` applies to input of ``dtype``: ``torch.nn.RMSNorm(eps=None)`` (its
+    default) takes the machine epsilon of the type it computes in, fp32 for bf16/fp16/fp32 input (fp64 for fp64),
+    not that of the input's dtype (0.0078 for bf16)."""
+    if eps is not None:
+        return float(eps)
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+
+def out_norm(layer: Any) -> tuple[torch.Tensor, float | None, bool] | str:
+    """(weight, eps, zero_centered) of the layer's output RMSNorm, or why the fused norm does not know it; eps None:
+    the norm's default, resolved per input dtype by ``norm_eps``."""
     norm, dv = layer.out_norm, layer.value_head_dim
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (dv,):
@@ -186,8 +196,7 @@ def out_norm(layer: Any) -> tuple[torch.Tensor, float, bool] | str:
         if type(norm).forward is not torch.nn.RMSNorm.forward:  # a subclass that computes something else
             return (f"out_norm {type(norm).__module__}.{type(norm).__qualname__} overrides torch.nn.RMSNorm.forward; "
                     f"the fused gated norm computes torch's RMSNorm only")
-        eps = norm.eps if norm.eps is not None else torch.finfo(weight.dtype).eps
-        return weight, float(eps), False
+        return weight, norm.eps, False
     te = type(norm).__module__.startswith("transformer_engine") and type(norm).__name__ == "RMSNorm"
     if te and isinstance(getattr(norm, "eps", None), float):
         return weight, norm.eps, bool(getattr(norm, "zero_centered_gamma", False))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gdn_compat._autograd import once_differentiable
 from gdn_compat._probe import Accepts, Varlen
 from gdn_compat.patches.gdn_thd import context_parallel as cpx
 from gdn_compat.patches.gdn_thd import fast
@@ -45,6 +46,7 @@ class _Rule(torch.autograd.Function):
         return o.to(q.dtype)
 
     @staticmethod
+    @once_differentiable("fla's chunked delta rule as gdn_compat calls it (with the pack's chunk indices)")
     def backward(ctx, do):  # type: ignore[override]
         q, k, v, g, beta, A, cu, chunks = ctx.saved_tensors
         dq, dk, dv, db, dg, _ = ctx.bwd(q=q, k=k, v=v, g=g, beta=beta, A=A, scale=ctx.scale, initial_state=None,
@@ -132,6 +134,14 @@ def local_view(layer: Any, cp: int, rank: int) -> Local:
     return Local(qk // cp, v // cp, layer.key_head_dim, layer.value_head_dim, hv // hk, conv_w, conv_b, A_log, dt_bias)
 
 
+# Release methods gdn_compat's packed paths compute in their own code instead of calling (0.18/0.19 names; 0.16/0.17
+# compute these steps inline in the forward that gdn_thd replaces). A layer whose class overrides one (a framework's
+# subclass: another output-gate activation, a clamped decay) is not taken by a path that would ignore it (#41). The
+# unfused path calls the layer's _apply_gated_norm and _compute_g_and_beta, so it honours overrides of those two.
+UNFUSED_OWN = ("_prepare_qkv_for_gated_delta_rule", "_prepare_input_for_gated_delta_rule", "_gated_norm_and_a2a")
+FUSED_OWN = (*UNFUSED_OWN, "_apply_gated_norm", "_compute_g_and_beta", "_compute_gates")
+
+
 class Core:
     """The two ways to run the packed core, bound to one release module and one fla."""
 
@@ -144,6 +154,26 @@ class Core:
         self.varlen = varlen
         self.fla_deterministic = atomic_free is Accepts.YES
         self.fast = paths  # the opt-in paths (gdn_flashqla, gdn_fused) this core may take
+        self._foreign: dict[tuple[type, tuple[str, ...]], tuple[str, ...]] = {}
+
+    def foreign(self, layer: Any, names: tuple[str, ...]) -> tuple[str, ...]:
+        """Which of the release methods ``names`` ``layer`` takes from elsewhere than the release's GatedDeltaNet
+        class and its bases (a subclass's override, or an attribute set on the layer itself): a path that computes
+        those steps itself would silently ignore them. Per class, decided once; an instance attribute is looked
+        for on every call (a dict lookup)."""
+        cls = type(layer)
+        key = (cls, names)
+        if key not in self._foreign:
+            base = getattr(self.release, "GatedDeltaNet", None)
+            own = set(base.__mro__) if isinstance(base, type) else set()
+            found = []
+            for name in names:
+                owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+                if owner is not None and owner not in own:
+                    found.append(f"{name} (from {owner.__module__}.{owner.__qualname__})")
+            self._foreign[key] = tuple(found)
+        mine = vars(layer)
+        return self._foreign[key] + tuple(f"{n} (set on the layer)" for n in names if n in mine)
 
     @staticmethod
     def gate(layer: Any, own: Any) -> Any:
@@ -224,6 +254,10 @@ class Core:
         why = fast.fused_skip(self.fast, layer, loc, x)
         if why is not None:
             return None, why
+        own = self.foreign(layer, FUSED_OWN)
+        if own:
+            return None, (f"{type(layer).__module__}.{type(layer).__qualname__} overrides {', '.join(own)}, which the "
+                          f"fused region computes itself")
         from gdn_compat.fused import cores
 
         if self._flashqla(layer, loc, x, pack) is None:
@@ -250,7 +284,7 @@ class Core:
         assert not isinstance(found, str), found  # fused_skip checked it
         weight, eps, zero_centered = found
         spec = Spec(hk=loc.qk // loc.dk, hv=loc.v // loc.dv, dk=loc.dk, dv=loc.dv, l2norm=bool(layer.use_qk_l2norm),
-                    norm_eps=eps, zero_centered=zero_centered, core=core)
+                    norm_eps=fast.norm_eps(eps, x.dtype), zero_centered=zero_centered, core=core)
         key = ("token_bounds", x.shape[0])
         bounds = pack.memo.get(key) if pack.cu_cpu is not None else None  # a device pack is never cached
         if bounds is None:

@@ -39,6 +39,8 @@ class Pack:
     chunks: torch.Tensor | None = None  # [rows, 2] (sequence, chunk) of every 64-token chunk, for fla
     real_ends: torch.Tensor | None = None  # device pack: where each sequence of ``cu`` has its last real token
     perm: torch.Tensor | None = None  # context parallel: received rows -> global token order
+    # the caller's offsets hold zero-length entries (host pack: dropped from ``cu``); a device pack may: True
+    empty_entries: bool = False
     inverse: torch.Tensor | None = None  # and back
     # what other users of the same pack derive from it once (the MTP roll's index), by their own key
     memo: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -70,6 +72,8 @@ class PackCache:
       autograd's version counter (``.data``, DLPack) must not change a device offsets tensor once it
       was used; hand the layers a new tensor instead. Inference tensors (``torch.inference_mode()``)
       have no version counter and are never cached on the device: they are read on every call.
+    * a pack made inside ``torch.inference_mode()`` (its tensors are inference tensors) is served only inside it,
+      and one made outside only outside: an evaluation pass never hands a training step tensors it cannot save.
     """
 
     def __init__(self, size: int = 8):
@@ -80,7 +84,9 @@ class PackCache:
     def key(given: dict[str, torch.Tensor], total: int, device: torch.device,
             cp: int) -> tuple[tuple[Any, ...], tuple[weakref.ref, ...]] | None:
         """(key, weak references to the device tensors it names), or None: not cacheable."""
-        parts: list[Any] = [total, device, cp]
+        # a pack made under torch.inference_mode() holds inference tensors, which a later autograd step cannot
+        # save for backward: packs of the two modes never serve each other (#41)
+        parts: list[Any] = [total, device, cp, torch.is_inference_mode_enabled()]
         refs = []
         for name, t in given.items():
             if t.device.type == "cpu":
@@ -229,7 +235,7 @@ def device_pack(given: dict[str, torch.Tensor], total: int, device: torch.device
     cu = bounds.to(given[name].dtype)
     rows = total // CHUNK + layout.numel()  # T // 64 + N + 1 rows hold the chunks of any layout (+ 1 spare)
     return Pack(cu=cu, cu_cpu=None, spans=(), chunks=chunk_indices(cu, rows),
-                real_ends=torch.cat([real, bounds[-1:]]))
+                real_ends=torch.cat([real, bounds[-1:]]), empty_entries=True)
 
 
 def pack_for(psp: Any, total: int, device: torch.device, cp: int = 1) -> Pack:
@@ -262,14 +268,20 @@ def pack_for(psp: Any, total: int, device: torch.device, cp: int = 1) -> Pack:
     cu = source if len(offsets) == source.numel() and source.device == device else to_device(cu_cpu, device)
     perm, inverse = _cp_perm([b - a for a, b in zip(layout, layout[1:])], cp, device)
     chunks = to_device(chunk_indices(cu_cpu, sum(-(-(b - a) // CHUNK) for a, b in spans)), device)
-    pack = Pack(cu=cu, cu_cpu=cu_cpu, spans=spans, ends=ends, chunks=chunks, perm=perm, inverse=inverse)
+    pack = Pack(cu=cu, cu_cpu=cu_cpu, spans=spans, ends=ends, chunks=chunks, perm=perm, inverse=inverse,
+                empty_entries=len(offsets) != len(layout))
     PACKS.put(key, pack)
     return pack
 
 
-@functools.lru_cache(maxsize=16)
 def rows_pack(length: int, rows: int, cp: int, device: torch.device) -> Pack:
-    """Unpacked [s, b] input under context parallelism: b sequences of ``length`` tokens."""
+    """Unpacked [s, b] input under context parallelism: b sequences of ``length`` tokens (cached per inference
+    mode, as ``PackCache`` is)."""
+    return _rows_pack(length, rows, cp, device, torch.is_inference_mode_enabled())
+
+
+@functools.lru_cache(maxsize=16)
+def _rows_pack(length: int, rows: int, cp: int, device: torch.device, inference: bool) -> Pack:
     offsets = [i * length for i in range(rows + 1)]
     cu_cpu = torch.tensor(offsets, dtype=torch.int32)
     perm, inverse = _cp_perm([length], cp, device)
