@@ -153,6 +153,7 @@ class Facts:
     fla_error: str | None = None  # fla is installed but fails to import
     fla_varlen: Varlen = Varlen()
     fla_atomic_free: Accepts = Accepts.ABSENT  # YES: the fla code packed GDN runs has no atomics / scatter-adds
+    fla_zero_length: Accepts = Accepts.ABSENT  # YES: fla's own chunk indices are right for offsets with empty entries
     fla_blackwell_wy_guard: Accepts = Accepts.ABSENT  # prepare_wy_repr_bwd autotune restricted on Blackwell (fla PR #1000)
     fla_flashqla_backend: Accepts = Accepts.ABSENT  # fla routes its delta rule to FlashQLA by itself (fla #998, >= 0.5.2)
     fla_flashqla_off: bool = False  # FLA_FLASH_QLA=0 turns that routing off
@@ -482,6 +483,7 @@ def _probe_fla(out: dict[str, Any]) -> None:
                                    rule_chunks=accepts(rule, "chunk_indices"), rule_inner=_inner_rule(),
                                    conv_chunks=accepts(conv, "chunk_indices"))
         out["fla_atomic_free"], out["notes"]["fla_atomic_free"] = atomic_free(rule, conv)
+        out["fla_zero_length"], out["notes"]["fla_zero_length"] = zero_length()
         out["fla_blackwell_wy_guard"] = _blackwell_wy_guard()
         out["fla_flashqla_backend"] = _fla_flashqla_backend()
         out["fla_flashqla_off"] = os.environ.get("FLA_FLASH_QLA", "").strip() == "0"
@@ -489,6 +491,34 @@ def _probe_fla(out: dict[str, Any]) -> None:
     unknown = Accepts.UNKNOWN
     out["fla_varlen"] = Varlen(unknown, unknown, unknown, unknown)
     out["notes"]["fla_varlen"] = f"fla failed to import ({out['fla_error']})"
+
+
+# Offsets with zero-length entries, [0, 3, 3, 70, 70]: three sequences, the middle and last empty. Their 64-token
+# chunks as (sequence, chunk): one of sequence 0, two of sequence 2.
+ZERO_LENGTH_PACK, ZERO_LENGTH_CHUNKS = [0, 3, 3, 70, 70], [[0, 0], [2, 0], [2, 1]]
+
+
+def zero_length(prepare: Any = None) -> tuple[Accepts, str]:
+    """Whether fla's ``prepare_chunk_indices`` (what its varlen delta rule and Triton conv call when given only
+    ``cu_seqlens``, as megatron 0.18/0.19 call them) numbers the chunks of offsets with zero-length entries right.
+    It is plain torch, so it runs here on the CPU: fla-core 0.4.x and 0.5.0 number a chunk's sequence by counting
+    the chunks that start one (``indices.eq(0).cumsum(0) - 1``), which skips empty sequences and hands every later
+    chunk the offsets of the sequence before it: garbage or NaN, measured on an H200."""
+    if prepare is None:
+        try:
+            prepare = importlib.import_module("fla.ops.utils.index").prepare_chunk_indices
+        except Exception as exc:  # noqa: BLE001 - not found: unknown
+            return Accepts.UNKNOWN, f"fla.ops.utils.index.prepare_chunk_indices not readable: {_why(exc)}"
+    try:
+        import torch
+
+        got = prepare(torch.tensor(ZERO_LENGTH_PACK, dtype=torch.int64), 64).tolist()
+    except Exception as exc:  # noqa: BLE001 - it failed on the CPU: unknown, not a crash
+        return Accepts.UNKNOWN, f"prepare_chunk_indices failed on offsets {ZERO_LENGTH_PACK}: {_why(exc)}"
+    if got == ZERO_LENGTH_CHUNKS:
+        return Accepts.YES, f"prepare_chunk_indices({ZERO_LENGTH_PACK}, 64) = {got}, right"
+    return Accepts.NO, (f"prepare_chunk_indices({ZERO_LENGTH_PACK}, 64) = {got}, expected {ZERO_LENGTH_CHUNKS}: "
+                        f"chunks after a zero-length entry get another sequence's offsets")
 
 
 # fla PR #1000 (for fla issue #999): on Blackwell, prepare_wy_repr_bwd's autotune space is cut to one config,
@@ -686,7 +716,7 @@ def package_version(info: Any) -> str:
 def _facts(out: dict[str, Any]) -> Facts:
     enums = {"gdn": Layout, "gdn_thd": Thd, "gdn_cp": Cp, "gdn_conv": Conv, "mtp": Mtp, "mtp_roll": Roll,
              "gdn_init_cp_comm_type": Accepts, "gdn_backward_dw": Accepts, "gdn_out_norm_tp_sum": Accepts, "gdn_thd_deterministic": Accepts,
-             "fla_atomic_free": Accepts, "fla_blackwell_wy_guard": Accepts, "fla_flashqla_backend": Accepts,
+             "fla_atomic_free": Accepts, "fla_zero_length": Accepts, "fla_blackwell_wy_guard": Accepts, "fla_flashqla_backend": Accepts,
              "gdn_gate_compiled": Accepts,
              "flashqla_atomic_free": Accepts, "flashqla_metadata": Accepts}
     for field, kind in enums.items():

@@ -56,7 +56,26 @@ def _has_gdn(facts: Facts) -> bool:
 def check(facts: Facts, key_head_dim: int | None = None) -> list[Finding]:
     """All findings for this stack; ``key_head_dim`` is the model's (smallest) GDN key head dim if known."""
     return [*_fla_install(facts), *_fla_640(facts, key_head_dim), *_gpu_generation(facts), *_gdn_shapes(facts),
-            *_flashqla(facts)]
+            *_flashqla(facts), *_zero_length(facts)]
+
+
+def _zero_length(facts: Facts) -> list[Finding]:
+    """0.18/0.19's native THD forward hands fla only cu_seqlens; an fla whose prepare_chunk_indices numbers the chunks
+    after a zero-length entry wrong (fla-core 0.4.x, 0.5.0: the probe runs it on the CPU) computes garbage for such
+    packs. gdn_compat's gdn_thd_zero_length (default on) takes exactly those calls; 0.16/0.17's gdn_thd drops empty
+    entries itself."""
+    if facts.gdn_thd is not Thd.NATIVE or facts.fla_zero_length is not Accepts.NO or facts.fla_error:
+        return []
+    return [Finding(
+        "warning", "fla-zero-length-offsets",
+        f"{facts.release} with {facts.fla}: packed offsets with zero-length entries (repeated values in cu_seqlens: a "
+        f"fixed-count pack, an empty sample) give garbage or NaN in the release's own GDN forward, forward and "
+        f"backward, because fla's prepare_chunk_indices numbers the chunks after an empty entry wrong "
+        f"({facts.notes.get('fla_zero_length', '')}). gdn_compat.apply() fixes it: its gdn_thd_zero_length (on by "
+        f"default) runs exactly those calls through gdn_compat's packed path.",
+        "https://github.com/fla-org/flash-linear-attention",
+        "gdn_compat.apply() (or GDN_COMPAT_AUTO=1); without gdn_compat, drop zero-length entries from cu_seqlens or "
+        "use fla-core >= 0.5.1")]
 
 
 FLASHQLA_FIXED = Version("0.1.3")  # fixed dg for strong decay and the SM90 backward tail padding

@@ -157,3 +157,14 @@ def test_fla_routing_to_an_old_flashqla_by_itself_is_a_danger(version, off, code
     got = {k: v for k, v in codes(f).items() if "flashqla" in k}
     assert got == ({code: sev} if code else {})
     assert not {k for k in codes(facts(fla="0.6.0", flashqla=Dist("flash-qla", "0.1.2"))) if "flashqla" in k}
+
+
+@pytest.mark.parametrize("thd", [Thd.NATIVE, Thd.REFUSES])
+@pytest.mark.parametrize("found", [Accepts.NO, Accepts.YES, Accepts.UNKNOWN])
+def test_zero_length_offsets_are_named_where_the_native_path_meets_a_wrong_fla_table(thd, found):
+    f = facts(megatron=Dist("megatron-core", "0.19.2" if thd is Thd.NATIVE else "0.17.1"), gdn_thd=thd,
+              fla_zero_length=found, notes={"fla_zero_length": "prepare_chunk_indices(...) = [[0, 0], [1, 0]]"})
+    named = [x for x in check(f) if x.code == "fla-zero-length-offsets"]
+    assert bool(named) == (thd is Thd.NATIVE and found is Accepts.NO)
+    for x in named:  # the stack in the message, fixed by apply(): not a failing exit on its own
+        assert "megatron-core 0.19.2" in x.message and "fla-core 0.4.2" in x.message and x not in failing([x])

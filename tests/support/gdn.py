@@ -192,7 +192,9 @@ def fla_on_cpu(setattr_=setattr) -> None:
     for m in modules:
         setattr_(m, "causal_conv1d", causal_conv1d)
         setattr_(m, "chunk_gated_delta_rule", chunk_gated_delta_rule)
-        setattr_(m, "l2norm", l2norm_ref)
+    for name, m in list(sys.modules.items()):  # 0.19 imports l2norm into the package's common.py
+        if name.startswith("megatron.core.ssm.gated_delta_net") and hasattr(m, "l2norm"):
+            setattr_(m, "l2norm", l2norm_ref)
 
 
 def captured_layer_step(layer, x0: torch.Tensor, dy: torch.Tensor, psp):
