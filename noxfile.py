@@ -136,6 +136,10 @@ def ray(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
                 "-W", "ignore::DeprecationWarning", "tests/test_auto.py", "tests/test_ray.py", *session.posargs,
                 env=CPU_ENV)
+    # an editable install (uv pip install -e ., PEP 660) hooks as the wheel does (#40): the same child, run again
+    session.install("--no-deps", "--reinstall", "-e", ".")
+    session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
+                "-W", "ignore::DeprecationWarning", "tests/test_auto.py", "-k", "installed", env=CPU_ENV)
 
 
 @nox.session(python=PYTHON)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 from collections.abc import Iterable, Iterator
 
-from gdn_compat import graphs
-from gdn_compat._probe import Facts, probe
+from gdn_compat import _probe, graphs
+from gdn_compat._probe import Facts
 from gdn_compat._registry import Record, Registry, Report, switches_from
 from gdn_compat.hazards import Finding, check
 from gdn_compat.patches import PATCHES
@@ -30,6 +32,8 @@ _OPT_IN = frozenset(p.name for p in PATCHES if p.opt_in)
 _registry = Registry(PATCHES)
 _warned: set[Finding] = set()
 _warned_switches: set[tuple[str, str, str]] = set()
+_said: set[str] = set()  # summary lines, once per process
+_from_hook: dict[str, object] = {"mark": None, "source": None}  # where the GDN_COMPAT_AUTO hook's patches begin
 
 
 def _OPT_IN_OFF(off: dict[str, str]) -> set[str]:
@@ -44,17 +48,42 @@ def apply(*, force: Iterable[str] = (), **switches: bool) -> Report:
     both (a kill switch that needs no code change); ``apply(x=False)`` wins over ``GDN_COMPAT_ENABLE``. A switch
     does not undo a patch applied earlier in the process (a warning says so): ``revert()`` does. A target that is
     no longer the release's own object (another library replaced it) is skipped with the reason, unless named in
-    ``force``. Thread-safe, idempotent."""
+    ``force``. Thread-safe, idempotent. Logs one summary line at INFO (each decision at DEBUG); with
+    ``GDN_COMPAT_AUTO`` set, this call decides, not the variable (``_gdn_compat_auto``)."""
+    _explicit("apply()")
+    return _apply(force, switches, None)
+
+
+def _apply_from_hook(source: str) -> Report:
+    """``GDN_COMPAT_AUTO``'s apply (``_gdn_compat_auto``): no switches; remembered, so that a later ``apply(...)`` with
+    switches replaces it (explicit code wins over the environment)."""
+    with _registry.lock:
+        mark = len(_registry.undo)
+        result = _apply((), {}, source)
+        _from_hook.update(mark=mark, source=source)
+    return result
+
+
+def _apply(force: Iterable[str], switches: dict[str, bool], source: str | None) -> Report:
     forced = _forced(force)
-    facts = probe()
-    off = switches_from(_NAMES, switches, _OPT_IN)
+    off = switches_from(_NAMES, switches, _OPT_IN)  # bad switches fail before anything changes
+    with _registry.lock:
+        mark = _from_hook["mark"]
+        if source is None and mark is not None and (switches or forced):
+            _from_hook["mark"] = None
+            log.info("gdn_compat.apply(%s) decides over GDN_COMPAT_AUTO, which applied at the import of megatron-core "
+                     "(%s): its patches are reverted and these switches applied", _call(forced, switches),
+                     _from_hook["source"])
+            _registry.revert(to=int(mark))  # type: ignore[call-overload]
+    facts = _probe.probe()
     for name in sorted(set(off) & {n for n in _NAMES if _registry.is_applied(n)} - set(_OPT_IN_OFF(off))):
         if ("switched-off", name, off[name]) not in _warned_switches:  # once per process and switch
             _warned_switches.add(("switched-off", name, off[name]))
             log.warning("%s is already applied in this process; %s does not undo it: gdn_compat.revert() (or the "
                         "gdn_compat.applied() context) does", name, off[name])
-    _registry.apply(facts, off, forced)
+    records = _registry.apply(facts, off, forced)
     result = _report(facts)
+    _summary(facts, records, source)
     for finding in result.findings:  # after the patch decisions, once per process
         if finding.severity != "info" and finding not in _warned:
             _warned.add(finding)
@@ -62,22 +91,50 @@ def apply(*, force: Iterable[str] = (), **switches: bool) -> Report:
     return result
 
 
+def _call(forced: frozenset[str], switches: dict[str, bool]) -> str:
+    return ", ".join([*(f"{k}={v}" for k, v in switches.items()), *([f"force={sorted(forced)}"] if forced else [])])
+
+
+def _summary(facts: Facts, records: list[Record], source: str | None) -> None:
+    """One INFO line for an apply(): what is applied now, how many skipped, where the call came from."""
+    applied = [r.name for r in records if r.status == "applied"]
+    failed = [r.name for r in records if r.status == "failed"]
+    skipped = sum(r.status == "skipped" for r in records)
+    line = (f"{facts.release}: {'applied ' + ', '.join(applied) if applied else 'nothing to apply'}"
+            + (f" (from {source}, when megatron-core was imported)" if source else "")
+            + (f"; FAILED {', '.join(failed)}" if failed else "")
+            + f"; {skipped} skipped (python -m gdn_compat, or GDN_COMPAT_LOG=debug, says why)")
+    if line not in _said:
+        _said.add(line)
+        log.log(logging.ERROR if failed else logging.INFO, "%s", line)
+
+
 def plan(facts: Facts | None = None, *, force: Iterable[str] = (), **switches: bool) -> list[Record]:
     """What ``apply()`` would decide for each patch now (status ``would_apply`` / ``skipped`` /
-    ``applied`` when already applied), changing nothing."""
-    return _registry.decide(facts or probe(), switches_from(_NAMES, switches, _OPT_IN), _forced(force))
+    ``applied`` when already applied), changing nothing (``GDN_COMPAT_AUTO`` included: it defers to this call)."""
+    _explicit("plan()")
+    return _registry.decide(facts or _probe.probe(), switches_from(_NAMES, switches, _OPT_IN), _forced(force))
+
+
+def probe(*, init_cuda: bool = False) -> Facts:
+    """Inspect the installed stack now (signatures, source shapes, a few plain-torch runs on the CPU); changes nothing.
+    ``init_cuda`` also asks the GPU its name and capability (it creates a CUDA context)."""
+    _explicit("probe()")
+    return _probe.probe(init_cuda=init_cuda)
 
 
 def revert() -> Report:
     """Restore every original object (identity), newest first; a replacement that someone else
     replaced after ``apply()`` is left in place and reported so. Harmless when nothing is applied."""
+    _explicit("revert()")
     _registry.revert()
-    return report()
+    return _report(_probe.probe())
 
 
 def report() -> Report:
     """The latest decision for every patch that ``apply()`` or ``revert()`` has seen."""
-    return _report(probe())
+    _explicit("report()")
+    return _report(_probe.probe())
 
 
 @contextlib.contextmanager
@@ -94,9 +151,23 @@ def auto() -> None:
     """Apply as soon as megatron-core is imported in this process, or at once (with a warning) if it already is:
     for hooks that run at process start, e.g. Ray's ``runtime_env={"worker_process_setup_hook": "gdn_compat.auto"}``.
     ``GDN_COMPAT_AUTO=1`` does the same with no code at all (``_gdn_compat_auto``)."""
-    import _gdn_compat_auto
+    _hook(load=True).install("gdn_compat.auto()")
 
-    _gdn_compat_auto.install("gdn_compat.auto()")
+
+def _hook(load: bool = False):
+    """The stdlib-only GDN_COMPAT_AUTO hook module (``_gdn_compat_auto``); loaded only where it is needed."""
+    if load or "_gdn_compat_auto" in sys.modules:
+        import importlib
+
+        return importlib.import_module("_gdn_compat_auto")
+    return None
+
+
+def _explicit(who: str) -> None:
+    """This process calls gdn_compat itself: its calls decide, not ``GDN_COMPAT_AUTO`` (see ``_gdn_compat_auto``)."""
+    hook = _hook()
+    if hook is not None:
+        hook.decide(who)
 
 
 def _forced(force: Iterable[str]) -> frozenset[str]:
@@ -114,16 +185,23 @@ def _report(facts: Facts) -> Report:
     return Report(records=records, findings=tuple(check(facts)), facts=facts)
 
 
-def _auto_at_import() -> None:
-    """``GDN_COMPAT_AUTO`` set, but after interpreter start (so gdn_compat_auto.pth did not see it): importing
-    gdn_compat installs the hook then (applying at once, with a warning, if megatron-core is already imported)."""
-    import os
+def _at_import() -> None:
+    """``GDN_COMPAT_LOG`` configures the logger; ``GDN_COMPAT_AUTO`` set but not seen at interpreter start (no
+    gdn_compat_auto.pth ran: ``python -S``, gdn_compat on ``PYTHONPATH`` only, an editable install made before the
+    ``.pth`` was part of one) is said, loudly, and the hook installed now (applying at once, with a warning, if
+    megatron-core is already imported)."""
+    if os.environ.get("GDN_COMPAT_LOG", "").strip():
+        _hook(load=True).configure_logging()
+    if os.environ.get("GDN_COMPAT_AUTO", "").strip().lower() in ("", "0", "false", "no", "off"):
+        return
+    hook = _hook(load=True)
+    if not hook.requested() or hook._state["installed"] or hook._state["decided"]:
+        return
+    log.warning("GDN_COMPAT_AUTO is set, but gdn_compat_auto.pth did not run when this interpreter started (python "
+                "-S, gdn_compat found through PYTHONPATH rather than installed, or an old editable install): processes "
+                "that never import gdn_compat stay unpatched. `pip install .` or `pip install -e .` installs it; "
+                "`python -m gdn_compat` shows whether it is there. This process hooks megatron-core now")
+    hook.install("GDN_COMPAT_AUTO, seen when gdn_compat was imported")
 
-    if os.environ.get("GDN_COMPAT_AUTO", "").strip() not in ("", "0"):
-        import _gdn_compat_auto
 
-        if _gdn_compat_auto.requested():
-            _gdn_compat_auto.install("GDN_COMPAT_AUTO, seen when gdn_compat was imported")
-
-
-_auto_at_import()
+_at_import()

@@ -40,11 +40,37 @@ def doctor(key_head_dim: int | None = None) -> dict[str, Any]:
         "gdn_compat": gdn_compat.__version__,
         "facts": facts.as_dict(),
         "flashqla": flashqla_status(facts),
+        "auto": auto_status(),
         "patches": plan,
         "findings": [dataclasses.asdict(f) for f in findings],
         "ok": not hazards.failing(findings),
         "exit": EXIT_USAGE if usage else (EXIT_PROBLEM if hazards.failing(findings) else EXIT_OK),
     }
+
+
+def auto_status() -> dict[str, Any]:
+    """GDN_COMPAT_AUTO in this environment: the variable, whether it means on, where gdn_compat_auto.pth is (site reads
+    it at interpreter start), and so whether a new process of this environment would apply gdn_compat when it
+    imports megatron-core."""
+    import os
+    import site
+
+    value = os.environ.get("GDN_COMPAT_AUTO")
+    on = (value or "").strip().lower() in ("1", "true", "yes", "on")
+    folders = [*site.getsitepackages(), site.getusersitepackages()] if hasattr(site, "getsitepackages") else []
+    pth = next((os.path.join(f, "gdn_compat_auto.pth") for f in folders
+                if os.path.isfile(os.path.join(f, "gdn_compat_auto.pth"))), None)
+    return {"variable": value, "on": on, "pth": pth, "fires": bool(on and pth)}
+
+
+def _auto_line(a: dict[str, Any]) -> str:
+    where = f"gdn_compat_auto.pth at {a['pth']}" if a["pth"] else ("no gdn_compat_auto.pth in this environment's "
+                                                                   "site-packages (pip install . or pip install -e .)")
+    if a["variable"] is None:
+        return f"unset; {where}"
+    verdict = ("a new process applies gdn_compat when it imports megatron-core" if a["fires"] else
+               "no process applies it by itself" + ("" if a["on"] else " (the value is not on: 1, true, yes, on)"))
+    return f"{a['variable']!r}; {where}; {verdict}"
 
 
 def flashqla_status(facts: Any) -> str:
@@ -121,11 +147,14 @@ def render(data: dict[str, Any]) -> str:
         + ("   (deterministic THD runs them)" if f["fla_atomic_free"] == "yes" else ""),
     ]
     lines += [
+        f"  fla chunk indices, empty   {f['fla_zero_length']}   (offsets with zero-length entries; no: wrong in "
+        f"0.18/0.19's own forward, gdn_thd_zero_length takes those calls)",
+        f"  GDN_COMPAT_AUTO            {_auto_line(data['auto'])}",
         f"  FlashQLA (gdn_flashqla)    {data['flashqla']}",
         f"  fused kernels (gdn_fused)  {_fused_status(f)}",
         f"  fla routes to FlashQLA     {f['fla_flashqla_backend']}" + ("   (off: FLA_FLASH_QLA=0)" if f["fla_flashqla_off"] else ""),
     ]
-    lines += [f"  note {k}: {why}" for k, why in f["notes"].items() if k != "fla_atomic_free"]  # shown above
+    lines += [f"  note {k}: {why}" for k, why in f["notes"].items() if k not in ("fla_atomic_free",)]
     lines.append("patches (what apply() would do):")
     for rec in data["patches"]:
         lines.append(f"  {'APPLY' if rec['status'] == 'would_apply' else 'skip '} {rec['name']:<21} {rec['target']}")

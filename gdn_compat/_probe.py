@@ -660,7 +660,16 @@ def _probe_gpu(out: dict[str, Any], torch: Any, init_cuda: bool) -> None:
 
 
 def probe(*, init_cuda: bool = False) -> Facts:
-    """Inspect the installed stack now. Imports megatron-core and fla modules; changes nothing."""
+    """Inspect the installed stack now. Imports megatron-core and fla modules; changes nothing (a GDN_COMPAT_AUTO hook
+    does not fire inside it: it would patch the classes being read)."""
+    hook = sys.modules.get("_gdn_compat_auto")  # loaded only where GDN_COMPAT_AUTO asked for it
+    if hook is None:
+        return _probe_all(init_cuda)
+    with hook.suspended():
+        return _probe_all(init_cuda)
+
+
+def _probe_all(init_cuda: bool) -> Facts:
     out: dict[str, Any] = {"python": platform.python_version(), "notes": {}}
     for key, names in (("triton", ("triton", "pytorch-triton")), ("tilelang", ("tilelang",))):
         found = _dist(*names)

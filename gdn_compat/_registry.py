@@ -233,7 +233,7 @@ class Registry:
             for rec in self.decide(facts, off, force):
                 if rec.status == "would_apply":
                     rec = self._install(next(p for p in self.patches if p.name == rec.name), facts, rec)
-                out.append(self._record(rec, logging.ERROR if rec.status == "failed" else logging.INFO))
+                out.append(self._record(rec, logging.ERROR if rec.status == "failed" else logging.DEBUG))
             return out
 
     def _install(self, patch: Patch, facts: Facts, planned: Record) -> Record:
@@ -265,7 +265,7 @@ class Registry:
                 else:
                     rec = Record(name, target, "left_in_place", f"replaced after apply by {describe(now)}; "
                                  f"gdn_compat's replacement stays underneath it")
-                out.append(self._record(rec, logging.INFO if now is new else logging.WARNING))
+                out.append(self._record(rec, logging.DEBUG if now is new else logging.WARNING))
             return out
 
     def _record(self, rec: Record, level: int) -> Record:

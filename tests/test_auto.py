@@ -30,13 +30,24 @@ def _env(**kw) -> dict:
     return env
 
 
-def test_the_pth_line_imports_nothing_and_hooks_nothing_when_unset():
+def test_the_pth_line_imports_nothing_and_hooks_nothing_when_unset_or_off():
     code = PTH_LINE + "\nimport sys\nprint('_gdn_compat_auto' in sys.modules, len(sys.meta_path))"
     run = lambda **kw: subprocess.run([sys.executable, "-S", "-c", code], env=_env(**kw), cwd=ROOT,  # noqa: E731
                                       capture_output=True, text=True, check=True).stdout.split()
-    unset, off, on = run(), run(GDN_COMPAT_AUTO="0"), run(GDN_COMPAT_AUTO="1")
-    assert unset[0] == off[0] == "False" and unset[1] == off[1]
+    unset, on = run(), run(GDN_COMPAT_AUTO="1")
+    for value in ("0", "false", "no", "off", "OFF", " No "):  # every off value: not even an import
+        assert run(GDN_COMPAT_AUTO=value) == unset, value
+    assert unset[0] == "False"
     assert on[0] == "True" and int(on[1]) == int(unset[1]) + 1  # one finder, at the front of sys.meta_path
+
+
+def test_an_unknown_value_warns_once_per_process_however_often_it_is_read():
+    code = ("import logging, sys\nlogging.basicConfig(stream=sys.stderr)\nimport _gdn_compat_auto\n"
+            "_gdn_compat_auto.requested(); _gdn_compat_auto.requested()\nimport gdn_compat")  # + the .pth, if installed
+    for value in ("maybe", "2", "00"):
+        out = subprocess.run([sys.executable, "-c", code], env=_env(GDN_COMPAT_AUTO=value), cwd=ROOT,
+                             capture_output=True, text=True, check=True)
+        assert out.stderr.count("is neither on") == 1, out.stderr
 
 
 def test_an_unknown_value_is_a_warning_and_a_no(monkeypatch, caplog):
@@ -60,15 +71,47 @@ LATE = ("import json, logging, sys\nlogging.basicConfig(level=logging.INFO, stre
         "print(json.dumps({'applied': list(gdn_compat.report().applied)}))")
 
 
+# GDN_COMPAT_AUTO=1 in each of these; the hook installed by hand too (a no-op where the installed .pth did it)
+HOOK = "import json, logging, sys\nimport _gdn_compat_auto\n_gdn_compat_auto.install('a test')\n"
+REPORT = "\nimport gdn_compat\nprint(json.dumps({'applied': list(gdn_compat.report().applied)}))"
+LOG = "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+SWITCHED = "gdn_out_norm_tp_grad"  # applied on every release with GDN
+EXPLICIT = {  # explicit code wins over the environment (#40)
+    "explicit-first": HOOK + LOG + f"import gdn_compat\ngdn_compat.apply({SWITCHED}=False)\nimport megatron.core"
+                      + REPORT,
+    "plan-only": HOOK + LOG + "import gdn_compat\ngdn_compat.plan()\nimport megatron.core" + REPORT,
+    "hook-then-explicit": HOOK + LOG + f"import megatron.core\nimport gdn_compat\ngdn_compat.apply({SWITCHED}=False)"
+                          + REPORT,
+    "log-variable": HOOK + "import megatron.core" + REPORT,  # GDN_COMPAT_LOG=info, no logging set up by the script
+    # gdn_compat.auto() while another thread is still importing megatron.core (its __init__ slowed down by 1.5 s)
+    "thread": HOOK.replace("_gdn_compat_auto.install('a test')\n", "") + LOG + (
+        "import importlib.machinery, threading, time\n"
+        "class Slow:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name != 'megatron.core':\n            return None\n"
+        "        spec = importlib.machinery.PathFinder.find_spec(name, path)\n"
+        "        inner = spec.loader.exec_module\n"
+        "        spec.loader.exec_module = lambda m: (time.sleep(1.5), inner(m))\n"
+        "        return spec\n"
+        "sys.meta_path.insert(0, Slow())\n"
+        "t = threading.Thread(target=lambda: __import__('megatron.core'))\nt.start()\ntime.sleep(0.5)\n"
+        "assert 'megatron.core' in sys.modules and sys.modules['megatron.core'].__spec__._initializing\n"
+        "import gdn_compat\ngdn_compat.auto()\nt.join()\n"
+        "[h.join() for h in threading.enumerate() if h.name == 'gdn_compat-auto']" + REPORT),
+}
+
+
 @pytest.fixture(scope="module")
 def fresh():
     if MEGATRON is None:
         pytest.skip("megatron-core is not installed")
     logged = "import atexit\nfrom tests.support import suite_records\natexit.register(suite_records.log_imports)\n"
     runs = {"hooked": [sys.executable, "-c", logged + HOOKED], "late": [sys.executable, "-c", logged + LATE],
-            "doctor": [sys.executable, "-m", "gdn_compat", "--json"]}
+            "doctor": [sys.executable, "-m", "gdn_compat", "--json"],
+            **{k: [sys.executable, "-c", logged + code] for k, code in EXPLICIT.items()}}
     env = _env(GDN_COMPAT_AUTO=None, TORCH_CUDA_ARCH_LIST=os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"))
-    procs = {k: subprocess.Popen(cmd, env=dict(env, GDN_COMPAT_AUTO="1") if k == "doctor" else env, cwd=ROOT,
+    auto = {"doctor": {}, **{k: {"GDN_COMPAT_LOG": "info"} if k == "log-variable" else {} for k in EXPLICIT}}
+    procs = {k: subprocess.Popen(cmd, env=dict(env, GDN_COMPAT_AUTO="1", **auto[k]) if k in auto else env, cwd=ROOT,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k, cmd in runs.items()}
     out = {}
     for k, proc in procs.items():
@@ -89,7 +132,7 @@ def test_the_hook_applies_once_megatron_core_has_been_imported(fresh):
     assert code == 0, err[-3000:]
     data = json.loads(out.strip().splitlines()[-1])
     assert data["before"] is False and set(data["applied"]) == _needed()
-    assert "applied from a test when megatron-core was imported" in err
+    assert "(from a test, when megatron-core was imported)" in err
 
 
 @pytest.mark.heavy
@@ -106,6 +149,62 @@ def test_the_doctor_shows_the_release_as_it_is_with_the_variable_set(fresh):
     data = json.loads(out[out.index("{"):])
     assert code == data["exit"], err[-2000:]
     assert "applied" not in {p["status"] for p in data["patches"]}
+
+
+def _applied(run) -> set[str]:
+    code, out, err = run
+    assert code == 0, err[-3000:]
+    return set(json.loads(out.strip().splitlines()[-1])["applied"])
+
+
+@pytest.mark.heavy
+def test_an_apply_with_switches_before_megatron_is_imported_decides_not_the_variable(fresh):
+    assert _applied(fresh["explicit-first"]) == _needed() - {SWITCHED}
+
+
+@pytest.mark.heavy
+def test_an_apply_with_switches_after_the_hook_applied_replaces_what_the_hook_did(fresh):
+    assert _applied(fresh["hook-then-explicit"]) == _needed() - {SWITCHED}
+    assert f"gdn_compat.apply({SWITCHED}=False) decides over GDN_COMPAT_AUTO" in fresh["hook-then-explicit"][2]
+
+
+@pytest.mark.heavy
+def test_plan_never_applies_and_says_the_variable_defers_to_it(fresh):
+    assert _applied(fresh["plan-only"]) == set()
+    assert "the variable defers to the process's own calls, so nothing is applied" in fresh["plan-only"][2]
+
+
+@pytest.mark.heavy
+def test_the_log_variable_shows_one_summary_line_without_code(fresh):
+    code, out, err = fresh["log-variable"]
+    assert _applied(fresh["log-variable"]) == _needed()
+    lines = [line for line in err.splitlines() if line.startswith("gdn_compat ")]
+    assert len([line for line in lines if line.startswith("gdn_compat INFO")]) == 1, err[-3000:]
+    [summary] = [line for line in lines if "INFO" in line]
+    assert "when megatron-core was imported" in summary and "gdn_compat: " not in summary  # no doubled prefix
+    assert all(name in summary for name in _needed())
+
+
+@pytest.mark.heavy
+def test_auto_while_another_thread_imports_megatron_applies_once_that_import_is_done(fresh):
+    assert _applied(fresh["thread"]) == _needed()
+    assert "megatron-core was still being imported when gdn_compat's hook was installed" in fresh["thread"][2]
+
+
+def test_the_doctor_says_whether_a_new_process_would_apply(monkeypatch, tmp_path):
+    from gdn_compat import __main__ as doctor
+
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(tmp_path)])
+    monkeypatch.setattr(site, "getusersitepackages", lambda: str(tmp_path / "user"))
+    monkeypatch.setenv("GDN_COMPAT_AUTO", "1")
+    assert doctor.auto_status() == {"variable": "1", "on": True, "pth": None, "fires": False}
+    (tmp_path / "gdn_compat_auto.pth").write_text(PTH_LINE)
+    assert doctor.auto_status()["fires"] is True
+    assert "a new process applies gdn_compat" in doctor._auto_line(doctor.auto_status())
+    monkeypatch.setenv("GDN_COMPAT_AUTO", "maybe")
+    assert doctor.auto_status()["fires"] is False
+    monkeypatch.delenv("GDN_COMPAT_AUTO")
+    assert doctor._auto_line(doctor.auto_status()).startswith("unset; gdn_compat_auto.pth at ")
 
 
 def installed_pth() -> pathlib.Path | None:
@@ -130,6 +229,9 @@ def run_child(**env) -> dict:
 def test_an_installed_wheel_applies_in_a_process_that_never_imports_it():
     on = run_child(GDN_COMPAT_AUTO="1", TORCH_CUDA_ARCH_LIST="9.0")
     assert on["ok"] and on["grad_finite"] and "gdn_thd" in on["gdn_compat"]["applied"]
-    assert "site-packages" in on["gdn_compat"]["file"] and "applied from GDN_COMPAT_AUTO" in on["stderr"]
+    editable = any(p.name.startswith("__editable__") and "gdn_compat" in p.name
+                   for p in pathlib.Path(site.getsitepackages()[0]).iterdir())
+    where = str(ROOT / "gdn_compat") if editable else "site-packages"  # pip install -e . hooks too (#40)
+    assert where in on["gdn_compat"]["file"] and "from GDN_COMPAT_AUTO (gdn_compat_auto.pth)" in on["stderr"]
     off = run_child(TORCH_CUDA_ARCH_LIST="9.0")
     assert not off["ok"] and off["error"].startswith("NotImplementedError") and off["gdn_compat"] is None

@@ -29,6 +29,7 @@ pytestmark = [
     pytest.mark.skipif(FUSED is not None, reason=str(FUSED)),
     pytest.mark.skipif(interpreted_or_cuda() is not None, reason=str(interpreted_or_cuda())),
     pytest.mark.usefixtures("fresh_fallback_notes"),
+    pytest.mark.heavy,  # about 100 s in Triton's interpreter: once per distinct megatron-core source
 ]
 
 LENGTHS = [3, 0, 70, 1, 0]  # a zero-length entry inside and at the end, a chunk edge, a length-1 document

@@ -227,7 +227,7 @@ def test_unknown_switches_are_errors_naming_the_value(monkeypatch):
 
 def test_each_decision_is_logged_once_with_the_qualified_target(release, caplog):
     reg = Registry((patch_for(),))
-    with caplog.at_level(logging.INFO, logger="gdn_compat"):
+    with caplog.at_level(logging.DEBUG, logger="gdn_compat"):
         reg.apply(FACTS, {})
         reg.revert()
         reg.apply(FACTS, {})
