@@ -13,7 +13,7 @@ import torch
 
 import gdn_compat
 from tests.support.gdn import build_gdn, offsets, packed, packed_run, reference_gdn, rel, use_torch_l2norm
-from tests.support.release import skip_reason
+from tests.support.release import FACTS, skip_reason
 
 pytestmark = pytest.mark.skipif(skip_reason("gdn_thd_deterministic") is not None,
                                 reason=str(skip_reason("gdn_thd_deterministic")))
@@ -108,3 +108,36 @@ def test_the_fla_core_normalises_q_and_k_with_the_l2norm_the_release_itself_uses
     assert len(used) == 1, [f.__qualname__ for f in prepare]
     core = Core(sys.modules[GatedDeltaNet.forward.__module__], probe().fla_varlen)
     assert id(core.l2norm_home.l2norm) in used
+
+
+def _saved_bytes(layer, x, psp) -> tuple[int, torch.Tensor]:
+    """Bytes of the tensors autograd keeps for one packed forward (after the forward, so storages a checkpoint
+    discarded count as what they hold then), and the forward's output."""
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = layer(x, None, packed_seq_params=psp)[0]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    return sum(storages.values()), out
+
+
+def test_selective_recompute_of_the_gated_norm_is_honoured_on_the_packed_path(megatron_cpu, monkeypatch):
+    # 0.19's recompute_modules=["gdn_norm_out"]: the release keeps no norm output and recomputes it in backward;
+    # gdn_compat's packed path does the same (#37 item 4): less kept, the same gradients bit for bit
+    use_torch_l2norm(monkeypatch)
+    layer = build_gdn(megatron_cpu, deterministic=True)
+    if not hasattr(layer, "recompute_norm_out"):
+        pytest.skip(f"{FACTS.release} has no selective recompute of the GDN output norm")
+    x = _x(megatron_cpu).requires_grad_(True)
+    runs = {}
+    with gdn_compat.applied():
+        for recompute in (False, True):
+            layer.recompute_norm_out = recompute
+            kept, out = _saved_bytes(layer, x, _pack())
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+            runs[recompute] = (kept, out.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()})
+    plain, recomputed = runs[False], runs[True]
+    assert recomputed[0] < plain[0]  # the norm's output is not kept
+    assert torch.equal(recomputed[1], plain[1]) and torch.equal(recomputed[2], plain[2])
+    assert all(torch.equal(recomputed[3][n], plain[3][n]) for n in plain[3])

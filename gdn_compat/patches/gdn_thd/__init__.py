@@ -76,9 +76,15 @@ def packed_forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pa
     # The fused region takes [T, F] as a view (reshape), not qkvzba[0]: a select's backward allocates a zeroed
     # [1, T, F] and copies the gradient into it (a fill and a copy of the whole in_proj output every step).
     flat = qkvzba.reshape(total, qkvzba.shape[-1])
+
+    def finish(norm_out: torch.Tensor) -> torch.Tensor:  # -> the output projection's input
+        norm_out = norm_out.reshape(rows, seq, loc.v).transpose(0, 1).contiguous()  # no -1: 0 tokens
+        return norm_out if pack.inverse is None else cpx.hp2cp(norm_out, pack.inverse, group, cp)
+
+    checkpoint = None
     region, why = core.region_core(layer, loc, flat, pack) if total and core.fast.fused else (None, "off")
-    if region is not None:  # gdn_fused: the whole region in gdn_compat's kernels
-        norm_out = core.region(layer, loc, flat, pack, region)
+    if region is not None:  # gdn_fused: the whole region in gdn_compat's kernels (it keeps no norm output)
+        norm_out = finish(core.region(layer, loc, flat, pack, region))
     else:
         if why != "off":
             fast.note("gdn_fused", str(why))
@@ -91,11 +97,21 @@ def packed_forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pa
         else:  # an empty pack: an empty output, and zero (not missing) grads for every parameter
             unused = loc.conv_w.sum() + loc.A_log.sum() + loc.dt_bias.sum()
             out = gate + 0 * (unused if loc.conv_b is None else unused + loc.conv_b.sum())
-        norm_out = layer._apply_gated_norm(out, gate)
-    norm_out = norm_out.reshape(rows, seq, loc.v).transpose(0, 1).contiguous()  # no -1: 0 tokens
-    if pack.inverse is not None:
-        norm_out = cpx.hp2cp(norm_out, pack.inverse, group, cp)
-    return layer.out_proj(norm_out)
+        if getattr(layer, "recompute_norm_out", False):
+            # 0.19's selective recompute of "gdn_norm_out", as the release runs it: the gated norm (and the exchange
+            # back to context parallel) through megatron's output-discarding checkpoint, recomputed in backward
+            from megatron.core import tensor_parallel
+
+            # fp8=None: 0.19.2 sets ``self.fp8 = fp8 is not None``, so its default (False) reads as fp8 and needs
+            # Transformer Engine; the gated norm has no fp8 layer, so no fp8 recompute context is needed
+            checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=None)
+            norm_out = checkpoint.checkpoint(lambda o, z: finish(layer._apply_gated_norm(o, z)), out, gate)
+        else:
+            norm_out = finish(layer._apply_gated_norm(out, gate))
+    result = layer.out_proj(norm_out)
+    if checkpoint is not None:
+        checkpoint.discard_output_and_register_recompute(result[0])
+    return result
 
 
 def pack_of(layer: Any, hidden_states: torch.Tensor, psp: Any, cp: int) -> Pack:
