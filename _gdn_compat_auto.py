@@ -6,7 +6,7 @@ What runs at interpreter start. The gdn_compat wheel (and an editable install, `
 environment. The line reads ``os.environ["GDN_COMPAT_AUTO"]`` and, unless the variable is set to something other
 than an off value (unset, empty, 0, false, no, off), does nothing else: no import, no hook. Otherwise the line imports
 this module (standard library only: no torch, no megatron, not even the ``gdn_compat`` package) and calls
-``install()``, which puts one finder at the front of ``sys.meta_path``. The finder answers only for
+``install()`` with gdn_compat's apply function named as ``"gdn_compat:_apply_from_hook"``, which puts one finder at the front of ``sys.meta_path``. The finder answers only for
 ``megatron.core``: the normal import runs, and right after ``megatron/core/__init__.py`` has executed (before any
 model can exist) it calls ``gdn_compat.apply()`` once and removes itself. ``GDN_COMPAT_DISABLE`` /
 ``GDN_COMPAT_ENABLE`` apply as they do to ``apply()``.
@@ -32,6 +32,7 @@ import importlib
 import os
 import sys
 import threading
+from typing import Any
 
 ENV, LOG_ENV = "GDN_COMPAT_AUTO", "GDN_COMPAT_LOG"
 TARGET = "megatron.core"
@@ -40,7 +41,7 @@ _LEVELS = ("debug", "info", "warning", "error")
 # installed: install() ran; applied: the hook applied; decided: who decided instead (an explicit call), or None;
 # suspended: gdn_compat is probing (the hook must not fire inside a probe); missed: the import happened meanwhile
 _state: dict = {"installed": False, "applied": False, "finder": None, "decided": None, "suspended": 0,
-                "missed": False, "warned": set(), "source": None}
+                "missed": False, "warned": set(), "source": None, "apply": None}
 _lock = threading.Lock()
 
 
@@ -90,12 +91,14 @@ def requested() -> bool:
     return False
 
 
-def install(source: str) -> None:
-    """Apply gdn_compat when megatron-core is first imported in this process (at once if it already is)."""
+def install(source: str, apply: Any) -> None:
+    """Call ``apply(source)`` when megatron-core is first imported in this process (at once if it already is).
+    ``apply`` is a callable, or ``"module:function"`` (what the ``.pth`` line names: gdn_compat's
+    ``_apply_from_hook``), imported only when it is called; this module itself names no package of gdn_compat's."""
     with _lock:
         if _state["installed"] or _state["decided"]:
             return
-        _state["installed"], _state["source"] = True, source
+        _state["installed"], _state["source"], _state["apply"] = True, source, apply
     module = sys.modules.get(TARGET)
     if module is not None:
         if getattr(getattr(module, "__spec__", None), "_initializing", False):
@@ -169,8 +172,12 @@ def _apply(source: str) -> None:
         if _state["applied"] or _state["decided"]:
             return
         _state["applied"] = True
-    try:  # found by name at run time: this stdlib-only hook never imports gdn_compat at its own import
-        importlib.import_module("gdn_compat")._apply_from_hook(source)
+    try:
+        apply = _state["apply"]
+        if isinstance(apply, str):  # "module:function", imported now
+            module, _, name = apply.partition(":")
+            apply = getattr(importlib.import_module(module), name)
+        apply(source)
     except Exception as exc:  # noqa: BLE001 - never break the user's import of megatron-core
         _log("error", "%s asked to apply gdn_compat, which failed: %s: %s; megatron-core runs unpatched", source,
              type(exc).__name__, exc)

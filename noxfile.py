@@ -90,6 +90,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", "gdn_compat", "_gdn_compat_auto.py", "setup.py", "tests", "benchmarks", "examples",
                 "noxfile.py")
     session.run("mypy", "gdn_compat")
+    session.run("python", "-m", "tests.support.import_circles")  # no import circle in the runtime package (#39)
 
 
 @nox.session(python=PYTHON)

@@ -75,7 +75,7 @@ def _apply(force: Iterable[str], switches: dict[str, bool], source: str | None) 
                      "(%s): its patches are reverted and these switches applied", _call(forced, switches),
                      _from_hook["source"])
             _registry.revert(to=int(mark))  # type: ignore[call-overload]
-    facts = _probe.probe()
+    facts = probe()  # looked up at call time (tests hand apply() other facts through it)
     for name in sorted(set(off) & {n for n in _NAMES if _registry.is_applied(n)} - set(_OPT_IN_OFF(off))):
         if ("switched-off", name, off[name]) not in _warned_switches:  # once per process and switch
             _warned_switches.add(("switched-off", name, off[name]))
@@ -113,7 +113,7 @@ def plan(facts: Facts | None = None, *, force: Iterable[str] = (), **switches: b
     """What ``apply()`` would decide for each patch now (status ``would_apply`` / ``skipped`` /
     ``applied`` when already applied), changing nothing (``GDN_COMPAT_AUTO`` included: it defers to this call)."""
     _explicit("plan()")
-    return _registry.decide(facts or _probe.probe(), switches_from(_NAMES, switches, _OPT_IN), _forced(force))
+    return _registry.decide(facts or probe(), switches_from(_NAMES, switches, _OPT_IN), _forced(force))
 
 
 def probe(*, init_cuda: bool = False) -> Facts:
@@ -128,13 +128,13 @@ def revert() -> Report:
     replaced after ``apply()`` is left in place and reported so. Harmless when nothing is applied."""
     _explicit("revert()")
     _registry.revert()
-    return _report(_probe.probe())
+    return _report(probe())
 
 
 def report() -> Report:
     """The latest decision for every patch that ``apply()`` or ``revert()`` has seen."""
     _explicit("report()")
-    return _report(_probe.probe())
+    return _report(probe())
 
 
 @contextlib.contextmanager
@@ -151,7 +151,7 @@ def auto() -> None:
     """Apply as soon as megatron-core is imported in this process, or at once (with a warning) if it already is:
     for hooks that run at process start, e.g. Ray's ``runtime_env={"worker_process_setup_hook": "gdn_compat.auto"}``.
     ``GDN_COMPAT_AUTO=1`` does the same with no code at all (``_gdn_compat_auto``)."""
-    _hook(load=True).install("gdn_compat.auto()")
+    _hook(load=True).install("gdn_compat.auto()", _apply_from_hook)
 
 
 def _hook(load: bool = False):
@@ -201,7 +201,7 @@ def _at_import() -> None:
                 "-S, gdn_compat found through PYTHONPATH rather than installed, or an old editable install): processes "
                 "that never import gdn_compat stay unpatched. `pip install .` or `pip install -e .` installs it; "
                 "`python -m gdn_compat` shows whether it is there. This process hooks megatron-core now")
-    hook.install("GDN_COMPAT_AUTO, seen when gdn_compat was imported")
+    hook.install("GDN_COMPAT_AUTO, seen when gdn_compat was imported", _apply_from_hook)
 
 
 _at_import()

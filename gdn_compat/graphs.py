@@ -170,12 +170,29 @@ def capture(step: Callable[[], Any], warmup: int = 3) -> tuple[torch.cuda.CUDAGr
 
 
 def _require_graph_safe_gdn() -> None:
-    import gdn_compat
-
-    applied = set(gdn_compat.report().applied)
+    applied = _patched_forward()
     if not applied & {"gdn_thd", "gdn_thd_graph_safe", "gdn_fused", "gdn_flashqla"}:
         raise RuntimeError("gdn_compat.graphs.PackBuffer needs gdn_compat's packed GDN path applied first: "
                            "gdn_compat.apply() on megatron-core 0.16/0.17 (gdn_thd), "
                            "gdn_compat.apply(gdn_thd_graph_safe=True) or apply(gdn_fused=True) on 0.18/0.19 (their "
                            "native THD reads the offsets on the host and cannot be captured, upstream #6796); "
                            f"applied now: {sorted(applied) or 'none'}")
+
+
+def _patched_forward() -> set[str]:
+    """The gdn_compat patches installed on ``GatedDeltaNet.forward`` now, read from the class: each replacement carries
+    its patch's name and wraps (``__wrapped__``) what it replaced."""
+    import importlib
+
+    from gdn_compat._probe import GDN_MODULE
+    from gdn_compat._registry import MARKER
+
+    try:
+        forward = vars(importlib.import_module(GDN_MODULE).GatedDeltaNet).get("forward")
+    except Exception:  # noqa: BLE001 - no GatedDeltaNet: nothing installed on it
+        return set()
+    found = set()
+    while forward is not None and getattr(forward, MARKER, None):
+        found.add(getattr(forward, MARKER))
+        forward = getattr(forward, "__wrapped__", None)
+    return found

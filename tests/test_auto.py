@@ -63,16 +63,16 @@ def test_an_unknown_value_is_a_warning_and_a_no(monkeypatch, caplog):
 
 
 HOOKED = ("import json, logging, sys\nlogging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
-          "import _gdn_compat_auto\n_gdn_compat_auto.install('a test')\nbefore = 'gdn_compat' in sys.modules\n"
+          "import _gdn_compat_auto\n_gdn_compat_auto.install('a test', 'gdn_compat:_apply_from_hook')\nbefore = 'gdn_compat' in sys.modules\n"
           "import megatron.core\nimport gdn_compat\n"
           "print(json.dumps({'before': before, 'applied': list(gdn_compat.report().applied)}))")
 LATE = ("import json, logging, sys\nlogging.basicConfig(level=logging.INFO, stream=sys.stderr)\nimport megatron.core\n"
-        "import _gdn_compat_auto\n_gdn_compat_auto.install('a late test')\nimport gdn_compat\n"
+        "import _gdn_compat_auto\n_gdn_compat_auto.install('a late test', 'gdn_compat:_apply_from_hook')\nimport gdn_compat\n"
         "print(json.dumps({'applied': list(gdn_compat.report().applied)}))")
 
 
 # GDN_COMPAT_AUTO=1 in each of these; the hook installed by hand too (a no-op where the installed .pth did it)
-HOOK = "import json, logging, sys\nimport _gdn_compat_auto\n_gdn_compat_auto.install('a test')\n"
+HOOK = "import json, logging, sys\nimport _gdn_compat_auto\n_gdn_compat_auto.install('a test', 'gdn_compat:_apply_from_hook')\n"
 REPORT = "\nimport gdn_compat\nprint(json.dumps({'applied': list(gdn_compat.report().applied)}))"
 LOG = "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
 SWITCHED = "gdn_out_norm_tp_grad"  # applied on every release with GDN
@@ -84,7 +84,7 @@ EXPLICIT = {  # explicit code wins over the environment (#40)
                           + REPORT,
     "log-variable": HOOK + "import megatron.core" + REPORT,  # GDN_COMPAT_LOG=info, no logging set up by the script
     # gdn_compat.auto() while another thread is still importing megatron.core (its __init__ slowed down by 1.5 s)
-    "thread": HOOK.replace("_gdn_compat_auto.install('a test')\n", "") + LOG + (
+    "thread": HOOK.replace("_gdn_compat_auto.install('a test', 'gdn_compat:_apply_from_hook')\n", "") + LOG + (
         "import importlib.machinery, threading, time\n"
         "class Slow:\n"
         "    def find_spec(self, name, path=None, target=None):\n"

@@ -97,7 +97,7 @@ def hole(megatron_cpu, monkeypatch):
     release's native path runs on the CPU); yields the count of calls that reached the release's own kernels."""
     if FACTS.gdn_thd != "native":
         pytest.skip(f"{FACTS.release}: gdn_thd drops zero-length entries itself (tests/test_gdn_thd.py)")
-    monkeypatch.setattr(_probe, "zero_length", lambda: (Accepts.NO, "as fla-core 0.4.x numbers them"))
+    monkeypatch.setattr(_probe.fla, "zero_length", lambda: (Accepts.NO, "as fla-core 0.4.x numbers them"))
     fla_on_cpu(monkeypatch.setattr)
     import sys
 

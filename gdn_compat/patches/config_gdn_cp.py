@@ -16,62 +16,13 @@ from __future__ import annotations
 import ast
 import inspect
 import sys
-import textwrap
 from typing import Any
 
 from gdn_compat._probe import CONFIG_MODULE, Facts
+from gdn_compat._probe.config import _gdn_cp_asserts, _parse
 from gdn_compat._registry import Patch, Target
 
 LIFTED = "assert self.context_parallel_size == 1  (under experimental_attention_variant == 'gated_delta_net')"
-
-
-def _is_self_attr(node: ast.AST, attr: str) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == attr
-            and isinstance(node.value, ast.Name) and node.value.id == "self")
-
-
-def _compares(node: ast.AST, attr: str, value: object) -> bool:
-    """``self.<attr> == <value>``."""
-    return (isinstance(node, ast.Compare) and _is_self_attr(node.left, attr) and len(node.ops) == 1
-            and isinstance(node.ops[0], ast.Eq) and isinstance(node.comparators[0], ast.Constant)
-            and node.comparators[0].value == value)
-
-
-def _gdn_cp_asserts(func: ast.FunctionDef) -> list[tuple[list[ast.stmt], ast.Assert]]:
-    """Every ``assert self.context_parallel_size == 1`` directly inside an
-    ``if self.experimental_attention_variant == "gated_delta_net":`` block, with its block."""
-    found = []
-    for node in ast.walk(func):
-        if isinstance(node, ast.If) and _compares(node.test, "experimental_attention_variant", "gated_delta_net"):
-            found += [(node.body, stmt) for stmt in node.body
-                      if isinstance(stmt, ast.Assert) and _compares(stmt.test, "context_parallel_size", 1)]
-    return found
-
-
-def _parse(func: Any) -> tuple[ast.Module, ast.FunctionDef]:
-    """The function's own AST with the release's positions: lines as in its file (set by ``build``), and
-    columns shifted back by the indentation ``dedent`` removed, so traceback carets point where they did."""
-    source = inspect.getsource(func)
-    dedented = textwrap.dedent(source)
-    indent = len(source) - len(source.lstrip()) - (len(dedented) - len(dedented.lstrip()))
-    tree = ast.parse(dedented)
-    for node in ast.walk(tree):
-        for field in ("col_offset", "end_col_offset"):
-            if getattr(node, field, None) is not None:
-                setattr(node, field, getattr(node, field) + indent)
-    node = tree.body[0]
-    if not isinstance(node, ast.FunctionDef):
-        raise TypeError(f"{func.__qualname__} is not a plain function")
-    return tree, node
-
-
-def refuses_gdn_cp(config_cls: Any) -> bool:
-    """The probe: ``__post_init__`` holds exactly one such assertion (read from the release source)."""
-    try:
-        _, node = _parse(config_cls.__post_init__)
-    except (TypeError, OSError, SyntaxError, IndexError):
-        return False
-    return len(_gdn_cp_asserts(node)) == 1
 
 
 def decide(facts: Facts) -> str | None:
