@@ -81,6 +81,11 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
         m = build_gdn(device=device, deterministic=True, **SHAPE)
         m.load_state_dict(ref["state"])
         pairs = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]  # every rank creates every group
+        m.pg_collection.cp = pairs[rank // 2]
+        with torch.inference_mode():  # an evaluation pass first, on the same offsets: its packs (CP permutations
+            for x, cu, lengths, _ in cases().values():  # included) must never reach the training steps below (#41)
+                psp = None if cu is None else packed(cu[0], padded=cu[1])
+                m(shard(x, lengths, 2, rank % 2).to(device), None, packed_seq_params=psp)
         check_cp(m, ref, rank % 2, 2, pairs[rank // 2], device)
         if world == 4:
             check_cp(m, ref, rank, 4, parallel_state.get_context_parallel_group(), device)
