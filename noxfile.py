@@ -2,6 +2,7 @@
 
     nox                                          # every release + lint + the built wheel
     nox -s "tests(0.18.2)"       # one release
+    nox -s hf_parity                             # Hugging Face's GDN layers against the packed path (0.17.1, 0.19.2)
     nox -s demo                                  # the CPU demo (megatron-core 0.17.1)
     nox -s compat_table                          # regenerate the README compatibility table
     MEGATRON_SOURCE=/path/to/Megatron-LM nox -s source   # the CPU suite against a megatron source tree (upstream main)
@@ -53,7 +54,9 @@ PYTHON = _python312()
 # Records of which heavy suites ran on which megatron-core files, for this nox run only (tests/support/suite_records.py)
 RECORDS = tempfile.mkdtemp(prefix="gdn-compat-suites-")
 
-nox.options.sessions = ["tests", "source", "ray", "lint", "wheel"]
+nox.options.sessions = ["tests", "hf_parity", "source", "ray", "lint", "wheel"]
+# transformers 5.25 needs a kernels release this index lacks; 5.23 has both Qwen3-Next's and Qwen3.5's GDN layers
+TRANSFORMERS = "transformers==5.23.0"
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 
@@ -65,6 +68,17 @@ def tests(session: nox.Session, megatron_core: str) -> None:
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
                 "-W", "ignore::DeprecationWarning", *session.posargs, env={**CPU_ENV, "GDN_COMPAT_SUITE_RECORDS": RECORDS})
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("megatron_core", ["0.17.1", "0.19.2"], ids=["0.17.1", "0.19.2"])
+def hf_parity(session: nox.Session, megatron_core: str) -> None:
+    """Hugging Face's Qwen3-Next / Qwen3.5 GatedDeltaNet on each document alone against the release's layer run by
+    gdn_compat on the pack (tests/test_hf_parity.py); transformers is a test-only dependency of this session."""
+    session.install(*TEST_DEPS, f"megatron-core=={megatron_core}", TRANSFORMERS)
+    session.install("--no-deps", "-e", ".")
+    session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
+                "-W", "ignore::DeprecationWarning", "tests/test_hf_parity.py", *session.posargs, env=CPU_ENV)
 
 
 @nox.session(python=PYTHON)
