@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from gdn_compat import _probe, graphs
 from gdn_compat._probe import Facts
@@ -33,7 +34,7 @@ _registry = Registry(PATCHES)
 _warned: set[Finding] = set()
 _warned_switches: set[tuple[str, str, str]] = set()
 _said: set[str] = set()  # summary lines, once per process
-_from_hook: dict[str, object] = {"mark": None, "source": None}  # where the GDN_COMPAT_AUTO hook's patches begin
+_from_hook: dict[str, Any] = {"mark": None, "source": None}  # where the GDN_COMPAT_AUTO hook's patches begin
 
 
 def _OPT_IN_OFF(off: dict[str, str]) -> set[str]:
@@ -74,7 +75,7 @@ def _apply(force: Iterable[str], switches: dict[str, bool], source: str | None) 
             log.info("gdn_compat.apply(%s) decides over GDN_COMPAT_AUTO, which applied at the import of megatron-core "
                      "(%s): its patches are reverted and these switches applied", _call(forced, switches),
                      _from_hook["source"])
-            _registry.revert(to=int(mark))  # type: ignore[call-overload]
+            _registry.revert(to=mark)
     facts = probe()  # looked up at call time (tests hand apply() other facts through it)
     for name in sorted(set(off) & {n for n in _NAMES if _registry.is_applied(n)} - set(_OPT_IN_OFF(off))):
         if ("switched-off", name, off[name]) not in _warned_switches:  # once per process and switch
