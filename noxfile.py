@@ -3,8 +3,10 @@
     nox                                          # every release + lint + the built wheel
     nox -s "tests(0.18.2)"       # one release
     nox -s hf_parity                             # Hugging Face's GDN layers against the packed path (0.17.1, 0.19.2)
+    nox -s triton_compile                        # every Triton kernel compiled by each Triton torch 2.7-2.15 ship
     nox -s demo                                  # the CPU demo (megatron-core 0.17.1)
     nox -s compat_table                          # regenerate the README compatibility table
+    nox -s numbers                               # regenerate the README benchmark tables from benchmarks/results
     MEGATRON_SOURCE=/path/to/Megatron-LM nox -s source   # the CPU suite against a megatron source tree (upstream main)
     nox -s wheel                                 # build sdist + wheel, use the wheel from a clean venv
     nox -s ray                                   # GDN_COMPAT_AUTO from the installed wheel: fresh processes, Ray actors
@@ -54,7 +56,7 @@ PYTHON = _python312()
 # Records of which heavy suites ran on which megatron-core files, for this nox run only (tests/support/suite_records.py)
 RECORDS = tempfile.mkdtemp(prefix="gdn-compat-suites-")
 
-nox.options.sessions = ["tests", "hf_parity", "source", "ray", "lint", "wheel"]
+nox.options.sessions = ["tests", "hf_parity", "triton_compile", "source", "ray", "lint", "wheel"]
 # transformers 5.25 needs a kernels release this index lacks; 5.23 has both Qwen3-Next's and Qwen3.5's GDN layers
 TRANSFORMERS = "transformers==5.23.0"
 nox.options.default_venv_backend = "uv"
@@ -79,6 +81,23 @@ def hf_parity(session: nox.Session, megatron_core: str) -> None:
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
                 "-W", "ignore::DeprecationWarning", "tests/test_hf_parity.py", *session.posargs, env=CPU_ENV)
+
+
+# The Triton each torch 2.7-2.15 ships (torch -> triton from PyPI metadata): 2.7 3.3.1, 2.8 3.4.0, 2.9 3.5.1,
+# 2.10/2.11 3.6.0, 2.12 3.7.0, 2.13 3.7.1, 2.14 3.8.0, 2.15 3.9.0
+TRITONS = ["3.3.1", "3.4.0", "3.5.1", "3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0"]
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("triton", TRITONS, ids=TRITONS)
+def triton_compile(session: nox.Session, triton: str) -> None:
+    """Every gdn_compat Triton kernel, in every launch configuration the code picks, compiled by this Triton for sm80,
+    sm90 and sm100 without a GPU (tests/support/triton_compile.py); this session's torch only shapes the launches."""
+    session.install(TORCH, "numpy", "packaging")
+    session.install("--no-deps", f"triton=={triton}")  # torch pins its own Triton: this one replaces it
+    session.install("--no-deps", "-e", ".")
+    session.run("python", "-W", "ignore", "-m", "tests.support.triton_compile", *session.posargs,
+                env={"TRITON_INTERPRET": "0"})
 
 
 @nox.session(python=PYTHON)
@@ -163,6 +182,12 @@ def demo(session: nox.Session) -> None:
     session.install(*TEST_DEPS, "megatron-core==0.17.1")
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "examples.cpu_demo", env=CPU_ENV)
+
+
+@nox.session(python=PYTHON)
+def numbers(session: nox.Session) -> None:
+    """The README's benchmark tables rendered from benchmarks/results/*.json (tests/test_numbers.py checks them)."""
+    session.run("python", "-m", "tests.support.numbers")
 
 
 @nox.session(name="compat_table", python=PYTHON)

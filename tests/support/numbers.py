@@ -1,0 +1,123 @@
+"""The README's benchmark tables, rendered from ``benchmarks/results/*.json`` (stdlib only).
+
+``nox -s numbers`` writes them between their markers; ``tests/test_numbers.py`` fails when a table in the README no
+longer is what its results file renders to (a number typed by hand, or a results file replaced without the table).
+Each table names the file it comes from.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+FAST = ("default", "fused", "flashqla", "fused+flashqla")
+LABEL = {"default": "default (native 0.19.2)", "fused": "`gdn_fused`", "flashqla": "`gdn_flashqla`",
+         "fused+flashqla": "both"}
+
+
+def _load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _source(name: str) -> str:
+    return f"<sub>from `benchmarks/results/{name}`</sub>"
+
+
+def fast_layer(name: str = "h200-fast-layers-0.19.2.json") -> str:
+    """One Qwen3-Next GDN layer, each fast configuration: wall / GPU kernel ms for the 16k and RL packs (wall speedup
+    against the default), saved bytes per token (16k), the 64k peak."""
+    data = _load(name)
+    rows = ["| | 16k pack: wall / GPU kernels | RL pack: wall / GPU kernels | saved bytes/token | 64k peak |",
+            "|---|---|---|---|---|"]
+    for config in FAST:
+        packs = data["layer"][config]["packs"]
+        cells = []
+        for pack in ("16k", "rl"):
+            p = packs[pack]
+            speed = "" if config == "default" else f" ({p['speedup']:.2f}x)"
+            cells.append(f"{p['wall_ms']:.2f} / {p['kernels_ms']['total']:.2f} ms{speed}")
+        peak = data["peak_64k"][config]["peak_mib"]
+        rows.append(f"| {LABEL[config]} | {cells[0]} | {cells[1]} | {packs['16k']['saved_bytes_per_token']:,} | "
+                    f"{peak:,} MiB |")
+    return "\n".join(rows) + "\n\n" + _source(name)
+
+
+def fast_stack(name: str = "h200-fast-stack-0.19.2.json") -> str:
+    """The 8-layer stack at the RL budget, a new layout every step: eager and one-CUDA-graph ms per configuration,
+    the best graphed row's speedup against native eager."""
+    stack = _load(name)["stack"]
+
+    def ms(config: str, mode: str) -> float | None:
+        key = next((k for k in stack if k.startswith(f"{config}: rl: ") and mode in k), None)
+        return None if key is None else stack[key]["ms"]
+
+    native = ms("default", "eager")
+    assert native is not None, f"{name} has no native eager stack row"
+    graphed = {c: ms(c, "CUDA graph") for c in FAST}
+    best = min((v, c) for c, v in graphed.items() if v is not None)[1]
+    head = "| | native 0.19.2 | `gdn_fused` | `gdn_flashqla` | both |"
+
+    def cell(config: str, value: float | None) -> str:
+        if value is None:
+            return "–"
+        text = f"{value:.1f} ms"
+        return f"**{text} ({native / value:.2f}x)**" if config == best and value is graphed[config] else text
+
+    eager = "| eager | " + " | ".join(cell(c, ms(c, "eager")) for c in FAST) + " |"
+    graph = "| one CUDA graph, every layout | " + " | ".join(cell(c, graphed[c]) for c in FAST) + " |"
+    return "\n".join([head, "|---|---|---|---|---|", eager, graph]) + "\n\n" + _source(name)
+
+
+def thd_modes() -> str:
+    """One GDN layer at Qwen3-Next size, 16k tokens in 9 sequences: each mode's ms and host syncs per layer call."""
+    rows = ["| megatron-core | mode | ms | host syncs per layer call |", "|---|---|---|---|"]
+    picks = [("0.17.1", "THD shim (applied)", "0.17.1 + `gdn_thd`", "THD packed"),
+             ("0.19.2", "THD native", "0.19.2", "THD packed (upstream native)"),
+             ("0.17.1", "THD deterministic (gdn_compat)", "0.17.1 + `gdn_thd`, `deterministic_mode`",
+              "THD packed (upstream refuses it)"),
+             ("0.17.1", "padded BSHD", "0.17.1", "right-padded BSHD (the release's code)"),
+             ("0.17.1", "per-sequence loop", "0.17.1", "one call per sequence (the release's code)")]
+    best = min(_load(f"h200-megatron-core-{v}.json")["rows"][r]["ms"] for v, r, _, _ in picks[:3])
+    for version, row, who, mode in picks:
+        found = _load(f"h200-megatron-core-{version}.json")["rows"][row]
+        text, syncs = f"{found['ms']:.2f}", found.get("syncs_per_call")
+        bold = found["ms"] == best and row != "THD deterministic (gdn_compat)"
+        rows.append(f"| {who} | {mode} | {f'**{text}**' if bold else text} | "
+                    f"{'–' if syncs is None else (f'**{syncs}**' if syncs == 0 and bold else syncs)} |")
+    return "\n".join(rows) + "\n\n" + _source("h200-megatron-core-0.17.1.json, h200-megatron-core-0.19.2.json")
+
+
+TABLES: dict[str, Callable[[], str]] = {"fast-layer": fast_layer, "fast-stack": fast_stack, "thd-modes": thd_modes}
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- numbers:{name}:start -->", f"<!-- numbers:{name}:end -->"
+
+
+def blocks(text: str) -> dict[str, str]:
+    """The tables between each pair of markers in ``text``."""
+    found = {}
+    for name in TABLES:
+        start, end = markers(name)
+        if start in text:
+            found[name] = text[text.index(start) + len(start): text.index(end)].strip("\n")
+    return found
+
+
+def update(path: pathlib.Path = ROOT / "README.md") -> list[str]:
+    """Render every table into ``path`` between its markers; returns the names written."""
+    text = path.read_text()
+    for name, render in TABLES.items():
+        start, end = markers(name)
+        if start in text:
+            text = text[: text.index(start) + len(start)] + "\n" + render() + "\n" + text[text.index(end):]
+    path.write_text(text)
+    return list(blocks(text))
+
+
+if __name__ == "__main__":
+    print("rendered:", ", ".join(update()))
