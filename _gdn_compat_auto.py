@@ -96,21 +96,26 @@ def install(source: str, apply: Any) -> None:
     ``apply`` is a callable, or ``"module:function"`` (what the ``.pth`` line names: gdn_compat's
     ``_apply_from_hook``), imported only when it is called; this module itself names no package of gdn_compat's."""
     with _lock:
-        if _state["installed"] or _state["decided"]:
+        if _state["applied"] or _state["decided"]:
             return
-        _state["installed"], _state["source"], _state["apply"] = True, source, apply
-    module = sys.modules.get(TARGET)
-    if module is not None:
-        if getattr(getattr(module, "__spec__", None), "_initializing", False):
-            _after_import_elsewhere(source)  # another thread (or our caller) is importing it right now
-            return
-        _log("warning", "megatron-core was imported before gdn_compat could hook its import (%s); applying now: a "
-                        "model built before this point runs without gdn_compat's patches", source)
-        _apply(source)
+        first = not _state["installed"]
+        if first:
+            _state["installed"], _state["source"], _state["apply"] = True, source, apply
+        source, late = _state["source"], TARGET in sys.modules
+        if first and not late:
+            _state["finder"] = _Finder(source)
+            sys.meta_path.insert(0, _state["finder"])
+    if not late:
         return
-    finder = _Finder(source)
-    _state["finder"] = finder
-    sys.meta_path.insert(0, finder)
+    # megatron.core is imported, or being imported, and the hook has not applied: it came first, or another finder
+    # answered for it ahead of ours (an armed finder would then wait forever)
+    disarm()
+    if getattr(getattr(sys.modules.get(TARGET), "__spec__", None), "_initializing", False):
+        _after_import_elsewhere(source)  # another thread (or our caller) is importing it right now
+        return
+    _log("warning", "megatron-core was imported before gdn_compat could hook its import (%s); applying now: a "
+                    "model built before this point runs without gdn_compat's patches", source)
+    _apply(source)
 
 
 def _after_import_elsewhere(source: str) -> None:
