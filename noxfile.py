@@ -86,6 +86,9 @@ def hf_parity(session: nox.Session, megatron_core: str) -> None:
 # The Triton each torch 2.7-2.15 ships (torch -> triton from PyPI metadata): 2.7 3.3.1, 2.8 3.4.0, 2.9 3.5.1,
 # 2.10/2.11 3.6.0, 2.12 3.7.0, 2.13 3.7.1, 2.14 3.8.0, 2.15 3.9.0
 TRITONS = ["3.3.1", "3.4.0", "3.5.1", "3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0"]
+# Triton's interpreter runs the fused kernels from 3.7.0 on (3.5.1 and 3.6.0 fail inside it: "only 0-dimensional
+# arrays can be converted to Python scalars"); the release sessions run them on torch 2.15's 3.9.0
+INTERPRETER_OLDEST = "3.7.0"
 
 
 @nox.session(python=PYTHON)
@@ -98,6 +101,10 @@ def triton_compile(session: nox.Session, triton: str) -> None:
     session.install("--no-deps", "-e", ".")
     session.run("python", "-W", "ignore", "-m", "tests.support.triton_compile", *session.posargs,
                 env={"TRITON_INTERPRET": "0"})
+    if triton == INTERPRETER_OLDEST:  # the fused kernels through the oldest interpreter that runs them
+        session.install("pytest>=8")
+        session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore",
+                    "tests/test_fused_kernels.py", env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python=PYTHON)

@@ -101,11 +101,14 @@ def _fused_status(f: dict[str, Any]) -> str:
         return "not usable: Triton is not installed"
     import os
 
+    from gdn_compat.fused import triton_checked
+
+    checked = triton_checked(f["triton"])
     if f["gpu"]:
-        return f"Triton {f['triton']}: usable on this GPU"
+        return f"usable on this GPU; {checked}"
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return f"Triton {f['triton']}: CPU tensors through Triton's interpreter (TRITON_INTERPRET=1; slow, for tests)"
-    return f"Triton {f['triton']}: needs a CUDA GPU (none here)"
+        return f"CPU tensors through Triton's interpreter (TRITON_INTERPRET=1; slow, for tests); {checked}"
+    return f"needs a CUDA GPU (none here); {checked}"
 
 
 _DETERMINISTIC = {"no": "refused (asserts)", "yes": "runs"}

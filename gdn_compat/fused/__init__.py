@@ -12,6 +12,21 @@ from __future__ import annotations
 
 import importlib.util
 
+# Every kernel here, in every launch configuration its wrappers pick, compiles for sm80, sm90 and sm100 with each Triton
+# that torch 2.7-2.15 ship (nox -s triton_compile, on a machine without a GPU); run on an H200 with Triton 3.6.0
+TRITON_COMPILED = ("3.3.1", "3.4.0", "3.5.1", "3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0")
+
+
+def triton_checked(version: str | None) -> str:
+    """What is known of the installed Triton (its version) compiling these kernels."""
+    if version is None:
+        return "Triton is not installed"
+    base = version.split("+")[0]
+    if base in TRITON_COMPILED:
+        return f"Triton {version}: every fused kernel compiles for sm80/sm90/sm100 (checked without a GPU)"
+    return (f"Triton {version}: not checked (the kernels compile with Triton {TRITON_COMPILED[0]}-{TRITON_COMPILED[-1]}, "
+            f"the ones torch 2.7-2.15 ship)")
+
 
 def unavailable() -> str | None:
     """Why the fused kernels cannot run in this process (None: they can)."""
