@@ -22,7 +22,7 @@ from gdn_compat.patches.gdn_thd import PACKS
 from gdn_compat.patches.gdn_thd.fast import norm_eps
 from tests.support.fused import interpreted_or_cuda
 from tests.support.gdn import build_gdn, offsets, packed, packed_run, rel, use_torch_l2norm
-from tests.support.release import FACTS, skip_reason
+from tests.support.release import FACTS, MEGATRON, skip_reason
 
 FUSED = skip_reason("gdn_fused", gdn_fused=True)
 pytestmark = [
@@ -30,6 +30,10 @@ pytestmark = [
     pytest.mark.skipif(interpreted_or_cuda() is not None, reason=str(interpreted_or_cuda())),
     pytest.mark.usefixtures("fresh_fallback_notes"),
     pytest.mark.heavy,  # about 100 s in Triton's interpreter: once per distinct megatron-core source
+    # gdn_compat's packed paths are one code per generation (gdn_thd on 0.16/0.17, the routes on 0.18/0.19): the last
+    # release of each runs them, which keeps the suite's time
+    pytest.mark.skipif(MEGATRON not in (None, "0.16.1", "0.17.1", "0.18.2", "0.19.2"),
+                       reason=f"hostile inputs run on the last release of each generation, not {MEGATRON}"),
 ]
 
 LENGTHS = [3, 0, 70, 1, 0]  # a zero-length entry inside and at the end, a chunk edge, a length-1 document
@@ -50,9 +54,11 @@ def _x(seed: int, dtype=torch.float32) -> torch.Tensor:
 # 1. inference mode -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("switches", [{}, {"gdn_fused": True}], ids=["default", "gdn_fused"])
-@pytest.mark.parametrize("same_object", [True, False], ids=["same-params", "new-params"])
-@pytest.mark.parametrize("cu", [offsets(LENGTHS), offsets([3, 70, 1])], ids=["empty-entries", "no-empty-entries"])
+@pytest.mark.parametrize("switches, same_object, cu", [
+    ({}, True, offsets(LENGTHS)),
+    ({"gdn_fused": True}, True, offsets(LENGTHS)),
+    ({"gdn_fused": True}, False, offsets([3, 70, 1])),
+], ids=["default-same-params-empty-entries", "gdn_fused-same-params-empty-entries", "gdn_fused-new-params-no-empties"])
 def test_a_pack_made_under_inference_mode_never_reaches_a_training_step(layer, switches, same_object, cu):
     x = _x(1)[: cu[-1]]
     psp = packed(cu)
