@@ -211,9 +211,10 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, starts: t
     items = dw_part.shape[0] * heads
     programs = min(items, _resident(x.device))
     scratch = torch.empty(programs, 2, bt, d, device=x.device, dtype=torch.float32)
+    steps = min(TOKENS_PER_PROGRAM // bt, max(1, triton.cdiv(T, bt)))  # a short pack: its own blocks only
     _conv_bwd[(programs,)](
         x, x.stride(0), w, w if b is None else b, starts, ends, dout, dx, dx.stride(0), scratch, dw_part, db_part, T,
-        col0, w.shape[0], TOKENS_PER_PROGRAM // bt, items, heads, D=d, W=width, REP=rep, NORM=norm,
+        col0, w.shape[0], steps, items, heads, D=d, W=width, REP=rep, NORM=norm,
         HAS_BIAS=b is not None, BT=bt, EPS=eps, num_warps=warps)
 
 

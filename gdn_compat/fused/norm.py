@@ -92,7 +92,7 @@ def norm_bwd(dy: torch.Tensor, o: torch.Tensor, x: torch.Tensor, w: torch.Tensor
     there in the same pass, else ``norm_dz`` writes it later."""
     T, heads, d = o.shape
     bt = 16
-    steps = TOKENS_PER_PROGRAM // bt
+    steps = min(TOKENS_PER_PROGRAM // bt, max(1, triton.cdiv(T, bt)))  # a short pack: its own blocks only
     parts = max(1, triton.cdiv(T, TOKENS_PER_PROGRAM))
     do = torch.empty_like(o)
     dw_part = torch.empty(parts, heads, d, device=o.device, dtype=torch.float32)
