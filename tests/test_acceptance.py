@@ -214,24 +214,40 @@ def _worker(rank: int, world: int, port: int, ref_path: str, out_path: str, cell
         torch.save(results, out_path)
 
 
+def one_rank_cells() -> list:
+    return [c for c in CELLS if c.tp * c.cp == 1]
+
+
+def two_rank_cells() -> list:
+    """Run by tests/test_acceptance_two_ranks.py (its own file, so that pytest-xdist runs it beside this one)."""
+    return [c for c in CELLS if c.tp * c.cp == 2]
+
+
+def ids(cells) -> list[str]:
+    return [c.id(False).replace("-none", "") for c in cells]
+
+
+def reference_path(tmp: str) -> str:
+    """The per-sequence reference, saved under ``tmp``."""
+    with pytest.MonkeyPatch.context() as patcher:
+        use_torch_l2norm(patcher)
+        path = os.path.join(tmp, "ref.pt")
+        _reference(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def matrix(megatron_cpu):
-    """Every cell's worst errors: the 1-rank cells in this process, the 2-rank cells in one spawn."""
-    from tests.support.megatron import free_port, spawn
-
+    """Every 1-rank cell's worst errors, run in this process."""
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patcher:
         use_torch_l2norm(patcher)
-        ref_path, out_path = os.path.join(tmp, "ref.pt"), os.path.join(tmp, "out.pt")
-        _reference(ref_path)
-        two = [(c, r) for c in CELLS if c.tp * c.cp == 2 for r in (False, True)]
-        spawn(_worker, (2, free_port(), ref_path, out_path, two), 2)
-        results = torch.load(out_path)
-        ref = torch.load(ref_path)
+        ref = torch.load(reference_path(tmp))
         from megatron.core import parallel_state
 
         groups = {"tp": parallel_state.get_tensor_model_parallel_group(),
                   "cp": parallel_state.get_context_parallel_group()}
-        for cell in [c for c in CELLS if c.tp * c.cp == 1]:
+        results = {}
+        for cell in one_rank_cells():
             for recompute in (False, True):
                 with gdn_compat.applied(**cell.switches()):
                     try:
@@ -241,9 +257,7 @@ def matrix(megatron_cpu):
     return results
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["recompute-none", "recompute-full"])
-@pytest.mark.parametrize("cell", CELLS, ids=[c.id(False).replace("-none", "") for c in CELLS])
-def test_packed_training_step_matches_per_sequence_runs(matrix, cell, recompute):
+def judge_training_step(matrix: dict, cell: Cell, recompute: bool) -> None:
     got = matrix[cell.id(recompute)]
     where = f"{MEGATRON} {cell.id(recompute)}"
     if DETERMINISTIC_THD_HOLE:
@@ -272,8 +286,7 @@ def test_packed_training_step_matches_per_sequence_runs(matrix, cell, recompute)
     assert max(out_norm.values()) <= BOUND, f"{where}: {out_norm}"
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=[c.id(False).replace("-none", "") for c in CELLS])
-def test_full_recompute_is_bitwise_no_recompute(matrix, cell):
+def judge_full_recompute(matrix: dict, cell: Cell) -> None:
     """Every real token's loss and every gradient (this rank's shard), packed, with and without full
     recompute (for MTP on 0.16/0.17 through mtp_checkpoint_args, on 0.18 mtp_padding_mask)."""
     plain, full = matrix[cell.id(False)], matrix[cell.id(True)]
@@ -282,3 +295,14 @@ def test_full_recompute_is_bitwise_no_recompute(matrix, cell):
     assert not isinstance(plain, str) and not isinstance(full, str), (plain, full)
     for pack, bits in plain["bits"].items():
         assert torch.equal(bits, full["bits"][pack]), f"{MEGATRON} {cell.id(True)} {pack}: differs from no recompute"
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["recompute-none", "recompute-full"])
+@pytest.mark.parametrize("cell", one_rank_cells(), ids=ids(one_rank_cells()))
+def test_packed_training_step_matches_per_sequence_runs(matrix, cell, recompute):
+    judge_training_step(matrix, cell, recompute)
+
+
+@pytest.mark.parametrize("cell", one_rank_cells(), ids=ids(one_rank_cells()))
+def test_full_recompute_is_bitwise_no_recompute(matrix, cell):
+    judge_full_recompute(matrix, cell)
