@@ -1,0 +1,118 @@
+"""Every layer shape users train (#37): Qwen3.5's layer, a 3:1 head ratio and the per-rank head counts of tensor
+parallelism, through every fast configuration, against an fp32 truth, on a GPU.
+
+A tp shard's GDN kernels see the rank's local heads (tp 2: 8 / 16 of Qwen3-Next's 16 / 32; tp 8: 2 / 4); the layer
+here is built with those head counts at the model's hidden size, which is what its kernels are handed. Truth and
+bar as tests/gpu/test_fast_gpu.py: fp32 ``deterministic_mode``, every sequence alone; each of output, input grad and
+every parameter grad of a fast configuration no farther from it than the default bf16 packed path (ratio <= 1.1,
+errors pooled over DRAWS output gradients). A configuration that falls back must say why (the test reports it and
+skips), never compute something else silently.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import gdn_compat
+from tests.gpu.test_fast_gpu import CONFIGS, NOT_USED, _as_dict, _config, _psp, pooled
+from tests.support.gdn import RL_LENGTHS, build_gdn, offsets, packed_run, rel
+from tests.support.release import FACTS, MEGATRON
+
+QWEN35 = dict(hidden=4096, dk=128, dv=128)
+QWEN3_NEXT = dict(hidden=2048, dk=128, dv=128)
+SHAPES = {  # name: (layer shape, key heads, value heads) as the rank's kernels see them
+    "qwen3.5": (QWEN35, 16, 64),
+    "qwen3.5-tp2": (QWEN35, 8, 32),
+    "qwen3.5-tp8": (QWEN35, 2, 8),
+    "qwen3-next-tp2": (QWEN3_NEXT, 8, 16),
+    "qwen3-next-tp8": (QWEN3_NEXT, 2, 4),
+    "ratio-3": (QWEN3_NEXT, 16, 48),
+}
+LONG = {"qwen3.5-64k": ("qwen3.5", [65536]), "qwen3-next-tp8-64k": ("qwen3-next-tp8", [65536])}
+DRAWS = 2
+
+
+@pytest.fixture(autouse=True)
+def _gpu(megatron_cpu, monkeypatch, fresh_fallback_notes):
+    assert megatron_cpu == "cuda"
+    if FACTS.gdn_thd not in ("native", "refuses"):
+        pytest.skip(f"megatron-core {MEGATRON} has no GatedDeltaNet")
+    from torch._dynamo import config
+
+    monkeypatch.setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", 64)
+
+
+def _truth(shape: str, lengths: list[int]):
+    dims, hk, hv = SHAPES[shape]
+    layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=4, hk=hk, hv=hv, **dims)
+    ref = build_gdn(device="cuda", dtype=torch.float32, deterministic=True, seed=4, hk=hk, hv=hv, **dims)
+    ref.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                         for k, v in layer.state_dict().items()})
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    x = torch.randn(sum(lengths), 1, dims["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
+    dys = [torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(DRAWS)]
+    cu, wants = offsets(lengths), []
+    for dy in dys:
+        ref.zero_grad(set_to_none=True)
+        outs, dxs = [], []
+        for a, b in zip(cu, cu[1:]):
+            xi = x[a:b].float().detach().requires_grad_(True)
+            oi = ref(xi, None)[0]
+            oi.backward(dy[a:b].float())
+            outs.append(oi.detach())
+            dxs.append(xi.grad)
+        wants.append({"out": torch.cat(outs), "dx": torch.cat(dxs),
+                      **{n: p.grad.detach().clone() for n, p in ref.named_parameters()}})
+    del ref
+    return layer, x, dys, wants
+
+
+def _judge(where: str, config: str, lengths, truth, caplog) -> None:
+    layer, x, dys, want = truth
+    switches = _config(config)
+    with gdn_compat.applied():
+        default = [_as_dict(packed_run(layer, x, _psp(lengths), dy)) for dy in dys]
+    with caplog.at_level(logging.INFO, logger="gdn_compat"), gdn_compat.applied(**switches) as report:
+        assert all(report[n].status == "applied" for n in switches), report
+        fast = [_as_dict(packed_run(layer, x, _psp(lengths), dy)) for dy in dys]
+    if NOT_USED in caplog.text:
+        said = [r.getMessage() for r in caplog.records if NOT_USED in r.getMessage()]
+        pytest.skip(f"{where} {config}: fell back, saying so: {said}")
+    lines, worst = [], 0.0
+    for name in want[0]:
+        e_default, e_fast = pooled(default, want, name), pooled(fast, want, name)
+        worst = max(worst, e_fast / max(e_default, 1e-12))
+        draws = [rel(f[name], w[name]) / max(rel(d[name], w[name]), 1e-12) for f, d, w in zip(fast, default, want)]
+        lines.append(f"  {name:<20} default {e_default:.2e}  {config} {e_fast:.2e}  ratio "
+                     f"{e_fast / max(e_default, 1e-12):.3f}  (draws {' '.join(f'{r:.3f}' for r in draws)})")
+    print(f"\n[shapes {MEGATRON} {where} {config}] relative L2 error to the fp32 truth over {DRAWS} output gradients "
+          f"(worst ratio {worst:.3f}):\n" + "\n".join(lines))
+    for name in want[0]:
+        assert pooled(fast, want, name) <= 1.1 * pooled(default, want, name) + 1e-6, name
+
+
+@pytest.fixture(scope="module")
+def truths():
+    return {}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_shape_is_no_farther_from_fp32_truth_than_the_default_path(truths, shape, config, caplog):
+    if shape not in truths:
+        truths.clear()  # one shape's layers and truth at a time
+        truths[shape] = _truth(shape, RL_LENGTHS)
+    _judge(shape, config, RL_LENGTHS, truths[shape], caplog)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("case", list(LONG))
+def test_one_64k_document_is_no_farther_from_fp32_truth_than_the_default_path(truths, case, config, caplog):
+    shape, lengths = LONG[case]
+    if case not in truths:
+        truths.clear()
+        truths[case] = _truth(shape, lengths)
+    _judge(case, config, lengths, truths[case], caplog)
