@@ -15,6 +15,9 @@ loss. fp32 on the CPU (gloo); bound: relative error (2-norm) <= 1e-5, GDN's
 gate parameters (A_log, dt_bias) <= 1e-4 (see GATE_BOUND). Full recompute must give bitwise the
 losses and gradients of no recompute.
 
+The 1-rank cells run here; those that take two gloo ranks in tests/test_acceptance_two_ranks.py (same cells, bars
+and helpers, a file of their own so that pytest-xdist runs the two side by side).
+
 Known holes are strict expected failures naming the patch that closes them (each turns green
 exactly when its patch applies):
 - 0.18/0.19 run packed GDN only through fla's Triton kernels, and refuse THD in deterministic mode
