@@ -90,23 +90,28 @@ def truth():
         gen = torch.Generator(device="cuda").manual_seed(11)
         x = torch.randn(sum(lengths), 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
         dys = [torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(DRAWS)]
-        cu = offsets(lengths)
-        wants = []
-        for dy in dys:
-            ref.zero_grad(set_to_none=True)
-            outs, dxs = [], []
-            for a, b in zip(cu, cu[1:]):
-                if b == a:
-                    continue
-                xi = x[a:b].float().detach().requires_grad_(True)
-                oi = ref(xi, None)[0]
-                oi.backward(dy[a:b].float())
-                outs.append(oi.detach())
-                dxs.append(xi.grad)
-            wants.append({"out": torch.cat(outs), "dx": torch.cat(dxs),
-                          **{n: p.grad.detach().clone() for n, p in ref.named_parameters()}})
-        out[name] = (layer, x, dys, wants)
+        out[name] = (layer, x, dys, fp32_truth(ref, x, dys, lengths))
     return out
+
+
+def fp32_truth(ref, x: torch.Tensor, dys: list[torch.Tensor], lengths: list[int]) -> list[dict]:
+    """Per draw: ``ref`` (the fp32 deterministic_mode copy) run on every sequence alone, its output, input grad and
+    every parameter grad."""
+    cu, wants = offsets(lengths), []
+    for dy in dys:
+        ref.zero_grad(set_to_none=True)
+        outs, dxs = [], []
+        for a, b in zip(cu, cu[1:]):
+            if b == a:
+                continue
+            xi = x[a:b].float().detach().requires_grad_(True)
+            oi = ref(xi, None)[0]
+            oi.backward(dy[a:b].float())
+            outs.append(oi.detach())
+            dxs.append(xi.grad)
+        wants.append({"out": torch.cat(outs), "dx": torch.cat(dxs),
+                      **{n: p.grad.detach().clone() for n, p in ref.named_parameters()}})
+    return wants
 
 
 def pooled(got: list[dict], want: list[dict], name: str) -> float:
@@ -127,6 +132,11 @@ def test_no_farther_from_fp32_truth_than_the_default_bf16_path(truth, pack, conf
         assert all(report[n].status == "applied" for n in switches), report
         fast = [_as_dict(packed_run(layer, x, _psp(PACKS[pack]), dy)) for dy in dys]
     assert NOT_USED not in caplog.text, caplog.text
+    judge_against_truth(f"{pack} {config}", config, default, fast, want)
+
+
+def judge_against_truth(where: str, config: str, default: list[dict], fast: list[dict], want: list[dict]) -> None:
+    """Prints each tensor's pooled distance from the truth, default path against ``config``; asserts ratio <= 1.1."""
     lines, worst = [], 0.0
     for name in want[0]:
         e_default, e_fast = pooled(default, want, name), pooled(fast, want, name)
@@ -135,7 +145,7 @@ def test_no_farther_from_fp32_truth_than_the_default_bf16_path(truth, pack, conf
         draws = [rel(f[name], w[name]) / max(rel(d[name], w[name]), 1e-12) for f, d, w in zip(fast, default, want)]
         lines.append(f"  {name:<20} default {e_default:.2e}  {config} {e_fast:.2e}  ratio {ratio:.3f}  "
                      f"(draws {' '.join(f'{r:.3f}' for r in draws)})")
-    print(f"\n[fast-numerics {MEGATRON} {pack} {config}] relative L2 error to the fp32 truth over {DRAWS} output "
+    print(f"\n[fast-numerics {MEGATRON} {where}] relative L2 error to the fp32 truth over {len(want)} output "
           f"gradients (worst ratio {worst:.3f}):\n" + "\n".join(lines))
     for name in want[0]:
         assert pooled(fast, want, name) <= 1.1 * pooled(default, want, name) + 1e-6, name

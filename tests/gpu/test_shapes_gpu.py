@@ -17,9 +17,17 @@ import pytest
 import torch
 
 import gdn_compat
-from tests.gpu.test_fast_gpu import CONFIGS, NOT_USED, _as_dict, _config, _psp, pooled
-from tests.support.gdn import RL_LENGTHS, build_gdn, offsets, packed_run, rel
-from tests.support.release import FACTS, MEGATRON
+from tests.gpu.test_fast_gpu import (  # noqa: F401 - recompile_limit: its autouse fixture, for this file too
+    CONFIGS,
+    NOT_USED,
+    _as_dict,
+    _config,
+    _psp,
+    fp32_truth,
+    judge_against_truth,
+    recompile_limit,
+)
+from tests.support.gdn import RL_LENGTHS, build_gdn, packed_run
 
 QWEN35 = dict(hidden=4096, dk=128, dv=128)
 QWEN3_NEXT = dict(hidden=2048, dk=128, dv=128)
@@ -35,16 +43,6 @@ LONG = {"qwen3.5-64k": ("qwen3.5", [65536]), "qwen3-next-tp8-64k": ("qwen3-next-
 DRAWS = 2
 
 
-@pytest.fixture(autouse=True)
-def _gpu(megatron_cpu, monkeypatch, fresh_fallback_notes):
-    assert megatron_cpu == "cuda"
-    if FACTS.gdn_thd not in ("native", "refuses"):
-        pytest.skip(f"megatron-core {MEGATRON} has no GatedDeltaNet")
-    from torch._dynamo import config
-
-    monkeypatch.setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", 64)
-
-
 def _truth(shape: str, lengths: list[int]):
     dims, hk, hv = SHAPES[shape]
     layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=4, hk=hk, hv=hv, **dims)
@@ -54,18 +52,7 @@ def _truth(shape: str, lengths: list[int]):
     gen = torch.Generator(device="cuda").manual_seed(12)
     x = torch.randn(sum(lengths), 1, dims["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
     dys = [torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(DRAWS)]
-    cu, wants = offsets(lengths), []
-    for dy in dys:
-        ref.zero_grad(set_to_none=True)
-        outs, dxs = [], []
-        for a, b in zip(cu, cu[1:]):
-            xi = x[a:b].float().detach().requires_grad_(True)
-            oi = ref(xi, None)[0]
-            oi.backward(dy[a:b].float())
-            outs.append(oi.detach())
-            dxs.append(xi.grad)
-        wants.append({"out": torch.cat(outs), "dx": torch.cat(dxs),
-                      **{n: p.grad.detach().clone() for n, p in ref.named_parameters()}})
+    wants = fp32_truth(ref, x, dys, lengths)
     del ref
     return layer, x, dys, wants
 
@@ -81,17 +68,7 @@ def _judge(where: str, config: str, lengths, truth, caplog) -> None:
     if NOT_USED in caplog.text:
         said = [r.getMessage() for r in caplog.records if NOT_USED in r.getMessage()]
         pytest.skip(f"{where} {config}: fell back, saying so: {said}")
-    lines, worst = [], 0.0
-    for name in want[0]:
-        e_default, e_fast = pooled(default, want, name), pooled(fast, want, name)
-        worst = max(worst, e_fast / max(e_default, 1e-12))
-        draws = [rel(f[name], w[name]) / max(rel(d[name], w[name]), 1e-12) for f, d, w in zip(fast, default, want)]
-        lines.append(f"  {name:<20} default {e_default:.2e}  {config} {e_fast:.2e}  ratio "
-                     f"{e_fast / max(e_default, 1e-12):.3f}  (draws {' '.join(f'{r:.3f}' for r in draws)})")
-    print(f"\n[shapes {MEGATRON} {where} {config}] relative L2 error to the fp32 truth over {DRAWS} output gradients "
-          f"(worst ratio {worst:.3f}):\n" + "\n".join(lines))
-    for name in want[0]:
-        assert pooled(fast, want, name) <= 1.1 * pooled(default, want, name) + 1e-6, name
+    judge_against_truth(where, config, default, fast, want)
 
 
 @pytest.fixture(scope="module")
