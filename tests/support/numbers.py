@@ -91,7 +91,35 @@ def thd_modes() -> str:
     return "\n".join(rows) + "\n\n" + _source("h200-megatron-core-0.17.1.json, h200-megatron-core-0.19.2.json")
 
 
-TABLES: dict[str, Callable[[], str]] = {"fast-layer": fast_layer, "fast-stack": fast_stack, "thd-modes": thd_modes}
+def train() -> str:
+    """bench_train's runs (#38): per configuration the step time, tokens per second (against native 0.19.2), peak
+    memory, final loss and the largest gap of its curve to native's, judged as benchmarks/plot_train.py judges."""
+    from benchmarks import plot_train
+
+    runs = plot_train.load()
+    spread, verdict = plot_train.verdicts(runs)
+    native = runs["0.19.2 native"]
+    rows = ["| megatron-core | configuration | ms / step | tokens/s | peak | final loss | largest gap to native | "
+            "trains the same |", "|---|---|---|---|---|---|---|---|"]
+    order = ["native", "native-seed1", "default", "fused", "flashqla", "both", "det-both"]
+    for key, r in sorted(runs.items(), key=lambda kv: (kv[1]["megatron_core"] != "0.19.2",
+                                                        order.index(kv[1]["name"]) if kv[1]["name"] in order else 99)):
+        label = plot_train.LABELS.get(r["name"], r["name"])
+        if key not in verdict:  # the spread's own run
+            rows.append(f"| {r['megatron_core']} | {label} | {r['median_step_ms']:.1f} | {r['tokens_per_s']:,} | "
+                        f"{r['peak_mib']:,} MiB | {sum(r['loss'][-20:]) / 20:.3f} | **{spread:.3f}** (the spread) | – |")
+            continue
+        v = verdict[key]
+        speed = native["median_step_ms"] / r["median_step_ms"]
+        rows.append(f"| {r['megatron_core']} | {label} | {r['median_step_ms']:.1f} | {r['tokens_per_s']:,} "
+                    f"({speed:.2f}x) | {r['peak_mib']:,} MiB | {v['final']:.3f} | {v['gap']:.3f} | "
+                    f"{'yes' if v['same'] else '**no**'} |")
+    names = sorted(p.name for p in RESULTS.glob("h200-train-*.json"))
+    return "\n".join(rows) + "\n\n" + f"<sub>from `benchmarks/results/h200-train-*.json` ({len(names)} runs)</sub>"
+
+
+TABLES: dict[str, Callable[[], str]] = {"fast-layer": fast_layer, "fast-stack": fast_stack, "thd-modes": thd_modes,
+                                        "train": train}
 
 
 def markers(name: str) -> tuple[str, str]:
