@@ -8,7 +8,7 @@ needs so little memory that the region may allocate its input gradient before it
 * ``FlaCore``: fla's own ``chunk_gated_delta_rule_fwd`` / ``_bwd`` (fla-core 0.4.x and >= 0.6 share the
   keywords used here), handed the pack's chunk indices, as fla's autograd Function calls them.
 * ``FlashQlaCore``: FlashQLA's ``chunk_gated_delta_rule_fwd`` / ``_bwd`` (flash-qla >= 0.1.3), q/k not
-  repeated, its intra-card CP off (``auto_cp=False``).
+  repeated, its intra-card CP where gdn_compat decided it for a host pack (else ``auto_cp=False``).
 * ``TorchCore``: the release's pure-torch ``torch_chunk_gated_delta_rule``, one sequence at a time (CPU).
 """
 
@@ -44,20 +44,23 @@ class FlashQlaCore:
     gva = True
     lean_backward = True  # H200, one layer at 64k tokens: 6.9 GiB peak with it, 11.3 GiB with fla's
 
-    def __init__(self, module: Any, cu: torch.Tensor):
-        self.fq, self.cu = module, cu
+    def __init__(self, module: Any, cu: torch.Tensor, cp: dict[str, Any] | None = None):
+        # cp: {"cp_context": the pack's intra-card CP context} or {} (gdn_thd/fast.py: cp_context); the same
+        # context for forward and backward, which must agree on the split. Uncached: the backward recomputes the
+        # segments' initial states (the region saves tensors only)
+        self.fq, self.cu, self.cp = module, cu, cp or {}
 
     def forward(self, q, k, v, g, beta):
         g_cum, A, o, *_ = self.fq.chunk_gated_delta_rule_fwd(
             q=q, k=k, v=v, g=g, beta=beta, scale=k.shape[-1] ** -0.5, initial_state=None, cu_seqlens=self.cu,
-            output_final_state=False, output_h=False, auto_cp=False)
+            output_final_state=False, output_h=False, auto_cp=False, **self.cp)
         return o, (g_cum, A)
 
     def backward(self, q, k, v, g, beta, saved, do):
         g_cum, A = saved
         dq, dk, dv, db, dg, _ = self.fq.chunk_gated_delta_rule_bwd(
             q=q, k=k, v=v, g=g_cum, beta=beta, A=A, do=do, dht=None, scale=k.shape[-1] ** -0.5,
-            initial_state=None, cu_seqlens=self.cu, auto_cp=False)
+            initial_state=None, cu_seqlens=self.cu, auto_cp=False, **self.cp)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, db  # as FlashQLA's autograd Function casts them
 
 

@@ -39,12 +39,14 @@ SHAPES = {  # name: (layer shape, key heads, value heads) as the rank's kernels 
     "qwen3-next-tp8": (QWEN3_NEXT, 2, 4),
     "ratio-3": (QWEN3_NEXT, 16, 48),
 }
-LONG = {"qwen3.5-64k": ("qwen3.5", [65536]), "qwen3-next-tp8-64k": ("qwen3-next-tp8", [65536])}
+ALL_SHAPES = {**SHAPES, "qwen3-next": (QWEN3_NEXT, 16, 32)}  # the full Qwen3-Next layer: test_fast_gpu's packs
+LONG = {"qwen3.5-64k": ("qwen3.5", [65536]), "qwen3-next-tp8-64k": ("qwen3-next-tp8", [65536]),
+        "qwen3-next-64k": ("qwen3-next", [65536]), "qwen3.5-tp8-64k": ("qwen3.5-tp8", [65536])}
 DRAWS = 2
 
 
 def _truth(shape: str, lengths: list[int]):
-    dims, hk, hv = SHAPES[shape]
+    dims, hk, hv = ALL_SHAPES[shape]
     layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=4, hk=hk, hv=hv, **dims)
     ref = build_gdn(device="cuda", dtype=torch.float32, deterministic=True, seed=4, hk=hk, hv=hv, **dims)
     ref.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
@@ -62,9 +64,12 @@ def _judge(where: str, config: str, lengths, truth, caplog) -> None:
     switches = _config(config)
     with gdn_compat.applied():
         default = [_as_dict(packed_run(layer, x, _psp(lengths), dy)) for dy in dys]
-    with caplog.at_level(logging.INFO, logger="gdn_compat"), gdn_compat.applied(**switches) as report:
+    with caplog.at_level(logging.DEBUG, logger="gdn_compat"), gdn_compat.applied(**switches) as report:
         assert all(report[n].status == "applied" for n in switches), report
         fast = [_as_dict(packed_run(layer, x, _psp(lengths), dy)) for dy in dys]
+    if "flashqla" in config:  # FlashQLA's intra-card CP (gdn_thd/fast.py: flashqla_context), decided per pack
+        print(f"[shapes] {where} {config}: FlashQLA intra-card CP "
+              f"{'used' if 'intra-card CP' in caplog.text else 'not used'}")
     if NOT_USED in caplog.text:
         said = [r.getMessage() for r in caplog.records if NOT_USED in r.getMessage()]
         pytest.skip(f"{where} {config}: fell back, saying so: {said}")

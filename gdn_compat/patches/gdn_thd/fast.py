@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gdn_compat._probe import FLASHQLA_METADATA
-from gdn_compat.patches.gdn_thd.pack import CHUNK, Pack, chunk_indices
+from gdn_compat.patches.gdn_thd.pack import CHUNK, Pack, chunk_indices, to_device
 
 log = logging.getLogger("gdn_compat")
 FLASHQLA_GPUS = ((9, 0), (10, 0), (10, 3))  # the sm90 / sm100 / sm103 kernels with a backward
@@ -126,16 +126,58 @@ def flashqla_cu(pack: Pack) -> torch.Tensor:
                                                           f"table is for {CHUNK}"))
         cu = device_metadata(pack)
     else:
-        host = pack.cu_cpu.to(torch.int64)  # FlashQLA documents LongTensor offsets
-        cu = host.to(pack.cu.device)
-        try:
-            from flash_qla.utils.index import prepare_varlen_metadata
-        except ImportError:  # an older layout: FlashQLA computes the metadata itself (one host read per pack)
-            pass
-        else:
-            cu = prepare_varlen_metadata(cu, host)
+        cu = _with_metadata(pack.cu_cpu.to(torch.int64), pack.cu.device)  # FlashQLA documents LongTensor offsets
     pack.memo[key] = cu
     return cu
+
+
+def _with_metadata(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A device copy of host offsets with FlashQLA's chunk metadata attached, where its layout has the helper."""
+    cu = to_device(host, device)
+    try:
+        from flash_qla.utils.index import prepare_varlen_metadata
+    except ImportError:  # an older layout: FlashQLA computes the metadata itself (one host read per pack)
+        return cu
+    return prepare_varlen_metadata(cu, host)
+
+
+def flashqla_context(pack: Pack, num_v_heads: int) -> Any:
+    """FlashQLA's intra-card context parallelism for this pack, or None for none (#37).
+
+    FlashQLA can split a long sequence into segments that run side by side on the card (each segment's initial state
+    recovered by a warm-up and a correction pass, exact up to rounding) where one sequence's chunks would otherwise
+    run one after another on a few SMs. Whether that pays is its own cost model's call (``build_cp_context``: the
+    calibrated ``autocp`` model, else its heuristic), from the chunk count of every sequence and the value heads.
+    Host pack: decided here from the host offsets, so no device read, once per pack and head count; every
+    tensor of the context is built on the host and copied to the device with FlashQLA's chunk metadata attached,
+    and the same context serves the forward and the backward (they must agree on the split). Device pack (graph-safe:
+    capture, ``PackBuffer``): never, because the decision reads the offsets; it runs as before, ``auto_cp=False``.
+    Also None where the installed FlashQLA has no ``build_cp_context``."""
+    if pack.cu_cpu is None:
+        return None
+    key = ("flashqla_context", num_v_heads)
+    if key in pack.memo:
+        return pack.memo[key]
+    context = None
+    try:
+        from flash_qla.ops.gated_delta_rule.chunk.cp import build_cp_context
+    except ImportError:
+        build_cp_context = None
+    if build_cp_context is not None:
+        host = pack.cu_cpu.to(torch.int64)
+        decided = build_cp_context(host, enable_intra=True, num_v_heads=num_v_heads, chunk_size=CHUNK, is_train=True)
+        if decided.is_intra:
+            device = pack.cu.device
+            context = dataclasses.replace(
+                decided, cu_seqlens=flashqla_cu(pack),
+                intra_cp_cu_seqlens=_with_metadata(decided.intra_cp_cu_seqlens, device),
+                **{name: to_device(getattr(decided, name), device)
+                   for name in ("seq_map_r2c", "seq_map_c2r", "ht_mask", "ht_mask_bwd")})
+            log.debug("gdn_compat gdn_flashqla: intra-card CP for a pack of %d sequences (longest %d tokens), "
+                         "%d value heads: %d segments", len(pack.spans), max(b - a for a, b in pack.spans),
+                         num_v_heads, decided.intra_cp_cu_seqlens.numel() - 1)
+    pack.memo[key] = context
+    return context
 
 
 def device_metadata(pack: Pack) -> torch.Tensor:
@@ -168,8 +210,16 @@ def flashqla_rule(query, key, value, g, beta, pack: Pack):
     """FlashQLA's public delta rule over the pack (q/k with the layer's key heads: no repeat)."""
     out, _ = flashqla().chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None,
                                                output_final_state=False, use_qk_l2norm_in_kernel=False,
-                                               cu_seqlens=flashqla_cu(pack), auto_cp=False)
+                                               cu_seqlens=flashqla_cu(pack), auto_cp=False,
+                                               **cp_context(pack, value.shape[2]))
     return out
+
+
+def cp_context(pack: Pack, num_v_heads: int) -> dict[str, Any]:
+    """The keyword that hands FlashQLA the pack's intra-card CP context; none where there is no context (so a
+    FlashQLA without the keyword is called as before)."""
+    context = flashqla_context(pack, num_v_heads)
+    return {} if context is None else {"cp_context": context}
 
 
 def _pow2(n: int) -> bool:

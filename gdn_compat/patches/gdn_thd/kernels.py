@@ -261,7 +261,7 @@ class Core:
         from gdn_compat.fused import cores
 
         if self._flashqla(layer, loc, x, pack) is None:
-            return cores.FlashQlaCore(fast.flashqla(), fast.flashqla_cu(pack)), None
+            return cores.FlashQlaCore(fast.flashqla(), fast.flashqla_cu(pack), fast.cp_context(pack, loc.v // loc.dv)), None
         if not x.is_cuda:  # Triton's interpreter on the CPU: the release's torch rule, one sequence at a time
             return cores.TorchCore(self.release.torch_chunk_gated_delta_rule, _spans(pack)), None
         if layer.config.deterministic_mode and not self.fla_deterministic:
