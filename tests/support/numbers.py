@@ -118,8 +118,36 @@ def train() -> str:
     return "\n".join(rows) + "\n\n" + f"<sub>from `benchmarks/results/h200-train-*.json` ({len(names)} runs)</sub>"
 
 
+def long_rows(name: str = "h200-long-0.19.2.json") -> str:
+    """bench_long's rows (#37): per layer shape and pack, each configuration's wall / GPU-kernel ms (kernel-time
+    speedup against native 0.19.2), whether FlashQLA's intra-card CP ran, and the peaks of native and both."""
+    data = _load(name)
+    configs = ["default", "fused", "flashqla", "fused+flashqla", "fused+flashqla/no-cp"]
+    head = ("| layer (local heads k / v) | pack | native 0.19.2 | `gdn_fused` | `gdn_flashqla` | both | "
+            "both, no intra-card CP | peak native / both |")
+    rows = [head, "|---|---|---|---|---|---|---|---|"]
+    for key, r in data["rows"].items():
+        shape, pack = key.split(":")
+        dims, hk, hv = data["shapes"][shape]
+        cells = []
+        for c in configs:
+            if c not in r:
+                cells.append("–")
+                continue
+            x = r[c]
+            text = f"{x['wall_ms']:.2f} / {x['kernels_ms']['total']:.2f}"
+            if c != "default":
+                text += f" ({x['speedup_kernels']:.2f}x)"
+            if x.get("intra_cp"):
+                text += " CP"
+            cells.append(text)
+        peak = f"{r['default']['peak_mib']:,} / {r['fused+flashqla']['peak_mib']:,} MiB" if "fused+flashqla" in r else "–"
+        rows.append(f"| {shape} (hidden {dims['hidden']}, {hk} / {hv}) | {pack} | " + " | ".join(cells) + f" | {peak} |")
+    return "\n".join(rows) + "\n\n" + _source(name)
+
+
 TABLES: dict[str, Callable[[], str]] = {"fast-layer": fast_layer, "fast-stack": fast_stack, "thd-modes": thd_modes,
-                                        "train": train}
+                                        "train": train, "long": long_rows}
 
 
 def markers(name: str) -> tuple[str, str]:
