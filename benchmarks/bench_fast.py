@@ -191,12 +191,13 @@ class NotTaken(logging.Handler):
     """The fast paths a configuration's calls did not take, and why (gdn_compat warns once per process and reason:
     ``clear`` forgets what was said, so every configuration's reasons are logged again)."""
 
-    def __init__(self):
+    def __init__(self, also: tuple[str, ...] = ()):
         super().__init__()
         self.reasons: list[str] = []
+        self.keys = ("not used for a packed GDN call", *also)  # ``also``: other lines to collect
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "not used for a packed GDN call" in record.getMessage():
+        if any(k in record.getMessage() for k in self.keys):
             self.reasons.append(record.getMessage())
 
     def clear(self) -> None:

@@ -20,38 +20,20 @@ import json
 import logging
 import statistics
 import time
+from unittest import mock
 
 import torch
 
-from benchmarks.bench_fast import kernels, timed
-from tests.support.gdn import DESIGN_LENGTHS, RL_LENGTHS, build_gdn, offsets, packed
+from benchmarks.bench_fast import NotTaken, kernels, timed
+from tests.support.gdn import DESIGN_LENGTHS, LAYER_SHAPES, RL_LENGTHS, build_gdn, offsets, packed
 
-QWEN3_NEXT = dict(hidden=2048, dk=128, dv=128)
-QWEN35 = dict(hidden=4096, dk=128, dv=128)
-SHAPES = {  # name: (layer dims, key heads, value heads) as one rank's kernels see them
-    "qwen3-next": (QWEN3_NEXT, 16, 32), "qwen3-next-tp2": (QWEN3_NEXT, 8, 16), "qwen3-next-tp8": (QWEN3_NEXT, 2, 4),
-    "qwen3.5": (QWEN35, 16, 64), "qwen3.5-tp2": (QWEN35, 8, 32), "qwen3.5-tp8": (QWEN35, 2, 8),
-    "ratio-3": (QWEN3_NEXT, 16, 48),
-}
+SHAPES = LAYER_SHAPES  # name: (layer dims, key heads, value heads) as one rank's kernels see them
 PACKS = {"16k": DESIGN_LENGTHS, "rl": RL_LENGTHS, "256x64": [64] * 256, "32k": [32768], "128k": [131072]}
 CONFIGS = {"default": {}, "fused": {"gdn_fused": True}, "flashqla": {"gdn_flashqla": True},
            "fused+flashqla": {"gdn_fused": True, "gdn_flashqla": True},
            "fused+flashqla/no-cp": {"gdn_fused": True, "gdn_flashqla": True}}
 ROWS = ("qwen3-next:16k,qwen3-next:rl,qwen3-next:256x64,qwen3-next:32k,qwen3-next:128k,qwen3.5:16k,qwen3.5:32k,"
         "qwen3.5:128k,qwen3-next-tp2:32k,qwen3-next-tp8:32k,qwen3.5-tp8:32k,qwen3.5-tp2:32k")
-
-
-class Said(logging.Handler):
-    """gdn_compat's log lines of a configuration's calls: fallbacks, and the intra-card CP decisions."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if "not used for a packed GDN call" in msg or "intra-card CP" in msg:
-            self.lines.append(msg)
 
 
 @contextlib.contextmanager
@@ -62,14 +44,11 @@ def configured(name: str):
     with contextlib.ExitStack() as stack:
         stack.enter_context(gdn_compat.applied(**CONFIGS[name]))
         if name.endswith("/no-cp"):
-            real = fast.flashqla_context
-            fast.flashqla_context = lambda pack, heads: None
-            stack.callback(setattr, fast, "flashqla_context", real)
+            stack.enter_context(mock.patch.object(fast, "flashqla_context", lambda pack, heads: None))
         yield
 
 
-def row(shape: str, pack: str, configs: list[str], rounds: int, steps: int, said: Said) -> dict:
-    from gdn_compat.patches.gdn_thd import fast
+def row(shape: str, pack: str, configs: list[str], rounds: int, steps: int, said: NotTaken) -> dict:
     from gdn_compat.patches.gdn_thd import pack as P
 
     dims, hk, hv = SHAPES[shape]
@@ -88,9 +67,8 @@ def row(shape: str, pack: str, configs: list[str], rounds: int, steps: int, said
 
     out: dict = {c: {"wall": []} for c in configs}
     for c in configs:  # first call (compiles of this shape), then the peak of a warm step
-        P.PACKS.clear()
-        fast.forget_notes()
-        said.lines = []
+        P.PACKS.clear()  # a new pack: its CP decision is made (and logged) again
+        said.clear()
         with configured(c):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -103,8 +81,8 @@ def row(shape: str, pack: str, configs: list[str], rounds: int, steps: int, said
             step()
             torch.cuda.synchronize()
             out[c]["peak_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20)
-        out[c]["said"] = sorted(set(said.lines))
-        out[c]["intra_cp"] = any("intra-card CP" in s for s in said.lines)
+        out[c]["said"] = sorted(set(said.reasons))
+        out[c]["intra_cp"] = any("intra-card CP" in s for s in said.reasons)
     for _ in range(rounds):
         for c in configs:
             with configured(c):
@@ -143,7 +121,7 @@ def main() -> None:
     from tests.support.megatron import world
 
     setattr(dynamo_config, "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit", 64)
-    said = Said()
+    said = NotTaken(also=("intra-card CP",))  # fallbacks, and the CP decisions (DEBUG)
     logging.getLogger("gdn_compat").addHandler(said)
     logging.getLogger("gdn_compat").setLevel(logging.DEBUG)
     result: dict = {"rows": {}}

@@ -4,8 +4,9 @@ FlashQLA's kernels and its cost model need an sm90/sm100 GPU (tests/gpu/test_sha
 through them against an fp32 truth). Here a stand-in ``build_cp_context`` of FlashQLA's contract (flash-qla 0.1.3,
 ``flash_qla/ops/gated_delta_rule/chunk/cp/context.py``: sequences longer than a segment are cut into segments of
 ``max_local_chunks`` chunks; ``seq_map_c2r`` maps a segment to its sequence, ``seq_map_r2c`` a sequence to its first
-segment) checks what gdn_compat decides with and hands on: the decision from the host offsets, once per pack; a
-device copy of every field; one context for forward and backward; nothing for a graph-safe pack.
+segment) checks what gdn_compat decides with and hands on: the decision from the host offsets, once per pack and
+head count; no context where FlashQLA would not split or has no CP; one context for forward and backward; nothing
+for a graph-safe pack.
 """
 
 from __future__ import annotations

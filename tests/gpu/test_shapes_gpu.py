@@ -27,26 +27,16 @@ from tests.gpu.test_fast_gpu import (  # noqa: F401 - recompile_limit: its autou
     judge_against_truth,
     recompile_limit,
 )
-from tests.support.gdn import RL_LENGTHS, build_gdn, packed_run
+from tests.support.gdn import LAYER_SHAPES, RL_LENGTHS, build_gdn, packed_run
 
-QWEN35 = dict(hidden=4096, dk=128, dv=128)
-QWEN3_NEXT = dict(hidden=2048, dk=128, dv=128)
-SHAPES = {  # name: (layer shape, key heads, value heads) as the rank's kernels see them
-    "qwen3.5": (QWEN35, 16, 64),
-    "qwen3.5-tp2": (QWEN35, 8, 32),
-    "qwen3.5-tp8": (QWEN35, 2, 8),
-    "qwen3-next-tp2": (QWEN3_NEXT, 8, 16),
-    "qwen3-next-tp8": (QWEN3_NEXT, 2, 4),
-    "ratio-3": (QWEN3_NEXT, 16, 48),
-}
-ALL_SHAPES = {**SHAPES, "qwen3-next": (QWEN3_NEXT, 16, 32)}  # the full Qwen3-Next layer: test_fast_gpu's packs
+SHAPES = {k: v for k, v in LAYER_SHAPES.items() if k != "qwen3-next"}  # the full Qwen3-Next layer: test_fast_gpu
 LONG = {"qwen3.5-64k": ("qwen3.5", [65536]), "qwen3-next-tp8-64k": ("qwen3-next-tp8", [65536]),
         "qwen3-next-64k": ("qwen3-next", [65536]), "qwen3.5-tp8-64k": ("qwen3.5-tp8", [65536])}
 DRAWS = 2
 
 
 def _truth(shape: str, lengths: list[int]):
-    dims, hk, hv = ALL_SHAPES[shape]
+    dims, hk, hv = LAYER_SHAPES[shape]
     layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=4, hk=hk, hv=hv, **dims)
     ref = build_gdn(device="cuda", dtype=torch.float32, deterministic=True, seed=4, hk=hk, hv=hv, **dims)
     ref.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v

@@ -92,18 +92,20 @@ class FakeFlashQla:
         return reference.delta_rule(q[0].repeat_interleave(rep, 1), k[0].repeat_interleave(rep, 1), v[0],
                                     g[0].to(q.dtype), beta[0].to(q.dtype), cu.tolist())[None]
 
+    def _record(self, what, q, v, cu, auto_cp, kw):
+        self.calls.append({"q_heads": q.shape[2], "v_heads": v.shape[2], "cu_dtype": cu.dtype, "auto_cp": auto_cp,
+                           "pass": what, "cp_context": kw.get("cp_context")})
+
     def chunk_gated_delta_rule_fwd(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state,
                                    output_h, auto_cp, **kw):
-        self.calls.append({"q_heads": q.shape[2], "v_heads": v.shape[2], "cu_dtype": cu_seqlens.dtype,
-                           "auto_cp": auto_cp, "pass": "fwd", "cp_context": kw.get("cp_context")})
+        self._record("fwd", q, v, cu_seqlens, auto_cp, kw)
         with torch.no_grad():
             o = self._run(q, k, v, g, beta, cu_seqlens)
         return g.clone(), torch.zeros(1), o, None, None, None  # (g_cum, A, o, h, final_state, cp_cache)
 
     def chunk_gated_delta_rule_bwd(self, q, k, v, g, beta, A, do, dht, scale, initial_state, cu_seqlens, auto_cp,
                                    **kw):
-        self.calls.append({"q_heads": q.shape[2], "v_heads": v.shape[2], "cu_dtype": cu_seqlens.dtype,
-                           "auto_cp": auto_cp, "pass": "bwd", "cp_context": kw.get("cp_context")})
+        self._record("bwd", q, v, cu_seqlens, auto_cp, kw)
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
             o = self._run(*leaves, cu_seqlens)

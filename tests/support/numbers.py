@@ -114,8 +114,7 @@ def train() -> str:
         rows.append(f"| {r['megatron_core']} | {label} | {r['median_step_ms']:.1f} | {r['tokens_per_s']:,} "
                     f"({speed:.2f}x) | {r['peak_mib']:,} MiB | {v['final']:.3f} | {v['gap']:.3f} | "
                     f"{'yes' if v['same'] else '**no**'} |")
-    names = sorted(p.name for p in RESULTS.glob("h200-train-*.json"))
-    return "\n".join(rows) + "\n\n" + f"<sub>from `benchmarks/results/h200-train-*.json` ({len(names)} runs)</sub>"
+    return "\n".join(rows) + "\n\n" + f"<sub>from `benchmarks/results/h200-train-*.json` ({len(runs)} runs)</sub>"
 
 
 def long_rows(name: str = "h200-long-0.19.2.json") -> str:
