@@ -215,3 +215,47 @@ def test_in_place_change_of_offsets_is_not_served_from_cache(patched):
 def test_inference_context_with_thd_is_refused(patched):
     with pytest.raises(NotImplementedError, match="inference context"):
         build_gdn()(torch.randn(12, 1, 64), None, inference_context=object(), packed_seq_params=packed([0, 12]))
+
+
+def test_a_second_head_count_keeps_the_compiled_input_step_static_in_its_heads(monkeypatch):
+    """The CUDA core's input step runs through megatron's jit_fuser (torch.compile, as in the release). One compiled
+    copy per layer shape (#37): a second head count in the process must not recompile a shared copy with its head
+    sizes symbolic (on the H200 those kernels were 5-10x slower); only the pack length may go dynamic."""
+    import logging
+
+    from gdn_compat.patches.gdn_thd import kernels
+
+    class Symbols(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.made: list[str] = []
+
+        def emit(self, record):
+            if record.getMessage().startswith("create_symbol"):
+                self.made.append(record.getMessage().split(" [")[0])
+
+    def call(tokens: int, hk: int, hv: int, d: int = 8):
+        shape = (hk * d, hv * d, d, d, hv // hk)
+        prepare, _ = kernels._fused(shape)
+        qkv = torch.randn(1, tokens, (2 * hk + hv) * d)
+        gate, beta, alpha = torch.randn(1, tokens, hv, d), torch.randn(1, tokens, hv), torch.randn(1, tokens, hv)
+        out = prepare(qkv, gate, beta, alpha, tokens, *shape, True, kernels.l2norm_torch)
+        want_k = kernels.l2norm_torch(qkv[..., hk * d:2 * hk * d].reshape(1, tokens, hk, d))
+        torch.testing.assert_close(out[1], want_k.repeat_interleave(hv // hk, dim=2))  # and it computes the step
+
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)  # compiled, as users run it (the stand-ins turn it off)
+    symbols, logger = Symbols(), logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    logger.addHandler(symbols)
+    torch._logging.set_logs(dynamic=logging.INFO)
+    try:
+        torch._dynamo.reset()
+        call(64, 2, 4)
+        call(32, 1, 2)  # another layer shape
+        call(48, 1, 2)  # that shape with another pack length
+    finally:
+        torch._logging.set_logs()
+        logger.removeHandler(symbols)
+        torch._dynamo.reset()
+    assert symbols.made, "no recompile was observed: the check saw nothing"
+    heads = [s for s in symbols.made if not ("L['seq_len']" in s or ".size()[1]" in s)]
+    assert not heads, f"symbolic sizes other than the pack length: {heads}"
