@@ -9,7 +9,12 @@ Configurations (CONFIGS) are interleaved round by round within a row. Per row an
 events, median over rounds of each round's median), GPU kernel ms from torch.profiler (total, delta rule, gdn_compat's
 fused kernels, GEMMs), peak memory of a step above its inputs and weights, the first call's seconds (compiles), and
 whether FlashQLA's intra-card CP ran (``fused+flashqla/no-cp`` is both switches with it held off, to show what it
-adds). Each row is printed and written to the JSON as it completes, so a run cut short keeps its finished rows.
+adds). A training process runs one layer shape (every GDN layer of a model has the same heads) and many pack sizes, so
+compiled code is dropped (``torch._dynamo.reset()``) where the layer shape changes between rows and kept where only the
+pack does: after a second head count torch.compile recompiles a shared function with its head sizes symbolic, slower
+(measured: README). gdn_compat's own compiled step now keeps one copy per layer shape; the release's compiled methods,
+which native runs, are one function each (not measured in a mixed process). Each row is printed and written to the
+JSON as it completes, so a run cut short keeps its finished rows.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ CONFIGS = {"default": {}, "fused": {"gdn_fused": True}, "flashqla": {"gdn_flashq
            "fused+flashqla": {"gdn_fused": True, "gdn_flashqla": True},
            "fused+flashqla/no-cp": {"gdn_fused": True, "gdn_flashqla": True}}
 ROWS = ("qwen3-next:16k,qwen3-next:rl,qwen3-next:256x64,qwen3-next:32k,qwen3-next:128k,qwen3.5:16k,qwen3.5:32k,"
-        "qwen3.5:128k,qwen3-next-tp2:32k,qwen3-next-tp8:32k,qwen3.5-tp8:32k,qwen3.5-tp2:32k")
+        "qwen3.5:128k,qwen3-next-tp2:32k,qwen3-next-tp4:32k,qwen3-next-tp8:32k,qwen3.5-tp2:32k,qwen3.5-tp4:32k,"
+        "qwen3.5-tp8:32k")
 
 
 @contextlib.contextmanager
@@ -132,8 +138,10 @@ def main() -> None:
         result.update({"megatron_core": facts.megatron.version if facts.megatron else None, "fla": str(facts.fla),
                        "flashqla": str(facts.flashqla), "torch": torch.__version__,
                        "gpu": torch.cuda.get_device_name(), "shapes": SHAPES, "packs": {k: len(v) for k, v in PACKS.items()}})
-        for shape, pack in rows:
+        for i, (shape, pack) in enumerate(rows):
             name = f"{shape}:{pack}"
+            if i and shape != rows[i - 1][0]:  # a new layer shape: a process of its own would start here
+                torch._dynamo.reset()
             result["rows"][name] = r = row(shape, pack, configs, args.rounds, args.steps, said)
             for c in configs:
                 k = r[c]["kernels_ms"]

@@ -13,8 +13,10 @@ QWEN3_NEXT = dict(hidden=2048, dk=128, dv=128, hk=16, hv=32)  # GDN layer shape 
 # shard keeps the model's hidden size and gets 1/tp of the heads (tp 2: 8 / 16 of Qwen3-Next's 16 / 32; tp 8: 2 / 4).
 _NEXT, _QWEN35 = dict(hidden=2048, dk=128, dv=128), dict(hidden=4096, dk=128, dv=128)
 LAYER_SHAPES = {
-    "qwen3-next": (_NEXT, 16, 32), "qwen3-next-tp2": (_NEXT, 8, 16), "qwen3-next-tp8": (_NEXT, 2, 4),
-    "qwen3.5": (_QWEN35, 16, 64), "qwen3.5-tp2": (_QWEN35, 8, 32), "qwen3.5-tp8": (_QWEN35, 2, 8),
+    "qwen3-next": (_NEXT, 16, 32), "qwen3-next-tp2": (_NEXT, 8, 16), "qwen3-next-tp4": (_NEXT, 4, 8),
+    "qwen3-next-tp8": (_NEXT, 2, 4),
+    "qwen3.5": (_QWEN35, 16, 64), "qwen3.5-tp2": (_QWEN35, 8, 32), "qwen3.5-tp4": (_QWEN35, 4, 16),
+    "qwen3.5-tp8": (_QWEN35, 2, 8),
     "ratio-3": (_NEXT, 16, 48),  # a 3:1 value / key head ratio, as in upstream's newer hybrids
 }
 DESIGN_LENGTHS = [4093, 2050, 1531, 1029, 3070, 509, 771, 1283, 2048]  # design.md section 5: 16,384 tokens
