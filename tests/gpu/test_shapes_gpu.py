@@ -5,8 +5,11 @@ A tp shard's GDN kernels see the rank's local heads (tp 2: 8 / 16 of Qwen3-Next'
 here is built with those head counts at the model's hidden size, which is what its kernels are handed. Truth and
 bar as tests/gpu/test_fast_gpu.py: fp32 ``deterministic_mode``, every sequence alone; each of output, input grad and
 every parameter grad of a fast configuration no farther from it than the default bf16 packed path (ratio <= 1.1,
-errors pooled over DRAWS output gradients). A configuration that falls back must say why (the test reports it and
-skips), never compute something else silently.
+errors pooled over DRAWS output gradients). Six draws, not two: the gate parameters of a tp shard are 2-8 elements
+(``A_log``, ``dt_bias``); on the H200 their per-draw ratio ran from 0.19 to 1.50 for one configuration, and the same
+draw's ratio moved from 1.13 to 0.19 between two runs (the bf16 backward is not bitwise repeatable outside
+deterministic mode), so two draws decided the verdict by chance (a tp=8 64k case: 1.159 over two, 0.891 over six).
+A configuration that falls back must say why (the test reports it and skips), never compute something else silently.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from tests.support.gdn import LAYER_SHAPES, RL_LENGTHS, build_gdn, packed_run
 SHAPES = {k: v for k, v in LAYER_SHAPES.items() if k != "qwen3-next"}  # the full Qwen3-Next layer: test_fast_gpu
 LONG = {"qwen3.5-64k": ("qwen3.5", [65536]), "qwen3-next-tp8-64k": ("qwen3-next-tp8", [65536]),
         "qwen3-next-64k": ("qwen3-next", [65536]), "qwen3.5-tp8-64k": ("qwen3.5-tp8", [65536])}
-DRAWS = 2
+DRAWS = 6
 
 
 def _truth(shape: str, lengths: list[int]):
