@@ -217,7 +217,7 @@ def test_inference_context_with_thd_is_refused(patched):
         build_gdn()(torch.randn(12, 1, 64), None, inference_context=object(), packed_seq_params=packed([0, 12]))
 
 
-def test_a_second_head_count_keeps_the_compiled_input_step_static_in_its_heads(monkeypatch):
+def test_a_second_head_count_keeps_the_compiled_input_step_static_in_its_heads():
     """The CUDA core's input step runs through megatron's jit_fuser (torch.compile, as in the release). One compiled
     copy per layer shape (#37): a second head count in the process must not recompile a shared copy with its head
     sizes symbolic (on the H200 those kernels were 5-10x slower); only the pack length may go dynamic."""
@@ -243,15 +243,17 @@ def test_a_second_head_count_keeps_the_compiled_input_step_static_in_its_heads(m
         want_k = kernels.l2norm_torch(qkv[..., hk * d:2 * hk * d].reshape(1, tokens, hk, d))
         torch.testing.assert_close(out[1], want_k.repeat_interleave(hv // hk, dim=2))  # and it computes the step
 
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)  # compiled, as users run it (the stand-ins turn it off)
     symbols, logger = Symbols(), logging.getLogger("torch.fx.experimental.symbolic_shapes")
     logger.addHandler(symbols)
     torch._logging.set_logs(dynamic=logging.INFO)
+    # compiled, as users run it (the CPU stand-ins turn dynamo off); torch's own patch, which restores the setting
+    # (pytest's monkeypatch deletes a torch config entry it did not find in the module's __dict__ on undo)
     try:
-        torch._dynamo.reset()
-        call(64, 2, 4)
-        call(32, 1, 2)  # another layer shape
-        call(48, 1, 2)  # that shape with another pack length
+        with torch._dynamo.config.patch(disable=False):
+            torch._dynamo.reset()
+            call(64, 2, 4)
+            call(32, 1, 2)  # another layer shape
+            call(48, 1, 2)  # that shape with another pack length
     finally:
         torch._logging.set_logs()
         logger.removeHandler(symbols)
