@@ -220,7 +220,7 @@ def test_inference_context_with_thd_is_refused(patched):
 def test_a_second_head_count_keeps_the_compiled_input_step_static_in_its_heads():
     """The CUDA core's input step runs through megatron's jit_fuser (torch.compile, as in the release). One compiled
     copy per layer shape (#37): a second head count in the process must not recompile a shared copy with its head
-    sizes symbolic (on the H200 those kernels were 5-10x slower); only the pack length may go dynamic."""
+    sizes symbolic (on the H200 those kernels were ~8x slower); only the pack length may go dynamic."""
     import logging
 
     from gdn_compat.patches.gdn_thd import kernels

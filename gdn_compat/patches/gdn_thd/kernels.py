@@ -105,7 +105,7 @@ def _fused(shape: tuple[int, ...]) -> tuple[Any, Any]:
     l2norm kernel is launched; so do we, for the same bits as upstream's THD. One compiled copy per layer shape
     (#37): torch.compile keeps its cache and its automatic-dynamic record per function, so in a process with a
     second head count (two models, a teacher and a student) one shared copy would be recompiled with every size
-    symbolic, and those kernels were 5-10x slower on the H200 (the backward of the q/k/v split at 16k tokens:
+    symbolic, and those kernels were ~8x slower on the H200 (the backward of the q/k/v split at 16k tokens:
     1.08 + 0.89 ms against 0.06 + 0.12). Each copy still goes dynamic in the pack length only, as in a process with
     one model."""
     from megatron.core.jit import jit_fuser
