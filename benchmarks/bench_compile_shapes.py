@@ -5,15 +5,13 @@
 gdn_compat's unfused path (0.16/0.17's default packed path; ``gdn_flashqla`` without ``gdn_fused`` on every release)
 runs its input step (q/k/v split, l2norm, gate inputs) through megatron's ``jit_fuser`` (torch.compile), forward and
 backward. A process that runs a second head count used to recompile one shared copy with its head sizes symbolic;
-this script times that step's GPU kernels (torch.profiler) at one layer shape when compiled fresh, after another head
+this script times that step's GPU kernels (torch.profiler, bench_fast's breakdown) at one layer shape when compiled fresh, after another head
 count, and after another pack length of the same heads. The first of the three is what a one-model process runs;
 the others should match it (they did not before each layer shape got its own copy: 16k tokens of 16 / 32 heads after
 an 8 / 16 shard, its six largest compiled kernels took 3.0 ms against 0.38 ms fresh, H200, torch 2.11).
 """
 
 from __future__ import annotations
-
-import collections
 
 import torch
 
@@ -37,31 +35,19 @@ def step_inputs(tokens: int, hk: int, hv: int, d: int = 128):
                    tokens, *shape, True, l2norm)
 
 
-def kernel_ms(tokens: int, hk: int, hv: int, steps: int = 5) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-
-    from gdn_compat.patches.gdn_thd import kernels
+def kernel_ms(tokens: int, hk: int, hv: int, steps: int = 5) -> dict:
+    """bench_fast's torch.profiler breakdown of the step (fwd + bwd) at this shape; its first call compiles."""
+    from benchmarks.bench_fast import kernels
+    from gdn_compat.patches.gdn_thd import kernels as gdn_kernels
 
     shape, args = step_inputs(tokens, hk, hv)
-    prepare, _ = kernels._fused(shape)
+    prepare, _ = gdn_kernels._fused(shape)
 
     def step():
         outs = prepare(*args)
         sum(o.float().sum() for o in outs[:3]).backward()
 
-    for _ in range(3):  # compile, then warm
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    by_name: dict[str, float] = collections.Counter()
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and "triton" in ev.name:  # the compiled kernels
-            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            by_name[ev.name[:48]] += us / 1000 / steps
-    return dict(by_name)
+    return kernels(step, steps)
 
 
 def main() -> None:
@@ -70,8 +56,9 @@ def main() -> None:
         for tokens, hk, hv in shapes[:-1]:
             kernel_ms(tokens, hk, hv, steps=1)
         found = kernel_ms(*shapes[-1])
-        top = ", ".join(f"{k} {v:.3f}" for k, v in sorted(found.items(), key=lambda kv: -kv[1])[:4])
-        print(f"[compile-shapes] {name:<26} {shapes[-1]}: compiled kernels {sum(found.values()):.3f} ms ({top})")
+        compiled = [f"{k} {v:.3f}" for k, v in found["top"].items() if k.startswith("triton_")][:4]  # inductor's
+        print(f"[compile-shapes] {name:<26} {shapes[-1]}: step kernels {found['total']:.3f} ms (largest compiled: "
+              f"{', '.join(compiled)})")
 
 
 if __name__ == "__main__":
