@@ -9,7 +9,8 @@ Configurations (CONFIGS) are interleaved round by round within a row. Per row an
 events, median over rounds of each round's median), GPU kernel ms from torch.profiler (total, delta rule, gdn_compat's
 fused kernels, GEMMs), peak memory of a step above its inputs and weights, the first call's seconds (compiles), and
 whether FlashQLA's intra-card CP ran (``fused+flashqla/no-cp`` is both switches with it held off, to show what it
-adds). A training process runs one layer shape (every GDN layer of a model has the same heads) and many pack sizes, so
+adds; ``.../graph-safe`` runs eagerly on a ``PackBuffer``'s offsets: what a captured step runs, with gdn_compat's own
+choices for a pack it cannot read on the host; not in the default configs). A training process runs one layer shape (every GDN layer of a model has the same heads) and many pack sizes, so
 compiled code is dropped (``torch._dynamo.reset()``) where the layer shape changes between rows and kept where only the
 pack does: after a second head count torch.compile recompiles a shared function with its head sizes symbolic, slower
 (measured: README). gdn_compat's own compiled step now keeps one copy per layer shape; the release's compiled methods,
@@ -36,7 +37,9 @@ SHAPES = LAYER_SHAPES  # name: (layer dims, key heads, value heads) as one rank'
 PACKS = {"16k": DESIGN_LENGTHS, "rl": RL_LENGTHS, "256x64": [64] * 256, "32k": [32768], "128k": [131072]}
 CONFIGS = {"default": {}, "fused": {"gdn_fused": True}, "flashqla": {"gdn_flashqla": True},
            "fused+flashqla": {"gdn_fused": True, "gdn_flashqla": True},
-           "fused+flashqla/no-cp": {"gdn_fused": True, "gdn_flashqla": True}}
+           "fused+flashqla/no-cp": {"gdn_fused": True, "gdn_flashqla": True},
+           "flashqla/graph-safe": {"gdn_flashqla": True}, "fused+flashqla/graph-safe": {"gdn_fused": True, "gdn_flashqla": True}}
+DEFAULT_CONFIGS = "default,fused,flashqla,fused+flashqla,fused+flashqla/no-cp"
 ROWS = ("qwen3-next:16k,qwen3-next:rl,qwen3-next:256x64,qwen3-next:32k,qwen3-next:128k,qwen3.5:16k,qwen3.5:32k,"
         "qwen3.5:128k,qwen3-next-tp2:32k,qwen3-next-tp4:32k,qwen3-next-tp8:32k,qwen3.5-tp2:32k,qwen3.5-tp4:32k,"
         "qwen3.5-tp8:32k")
@@ -63,19 +66,34 @@ def row(shape: str, pack: str, configs: list[str], rounds: int, steps: int, said
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(sum(lengths), 1, dims["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
     x.requires_grad_(True)
-    psp = packed(offsets(lengths))
-    psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda()
+    host = packed(offsets(lengths))
+    host.cu_seqlens_q = host.cu_seqlens_kv = host.cu_seqlens_q.cuda()
+    buffers: dict = {}
 
     def step():
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        layer(x, None, packed_seq_params=psp)[0].sum().backward()
+        layer(x, None, packed_seq_params=buffers.get("now", host))[0].sum().backward()
+
+    @contextlib.contextmanager
+    def configured_row(name: str):
+        with configured(name):
+            if name.endswith("/graph-safe"):  # built under the config: a PackBuffer needs a packed path applied
+                import gdn_compat.graphs
+
+                buf = gdn_compat.graphs.PackBuffer(sum(lengths), len(lengths), device="cuda")
+                buf.load(offsets(lengths))
+                buffers["now"] = buf.params
+            try:
+                yield
+            finally:
+                buffers.pop("now", None)
 
     out: dict = {c: {"wall": []} for c in configs}
     for c in configs:  # first call (compiles of this shape), then the peak of a warm step
         P.PACKS.clear()  # a new pack: its CP decision is made (and logged) again
         said.clear()
-        with configured(c):
+        with configured_row(c):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             step()
@@ -91,12 +109,12 @@ def row(shape: str, pack: str, configs: list[str], rounds: int, steps: int, said
         out[c]["intra_cp"] = any("intra-card CP" in s for s in said.reasons)
     for _ in range(rounds):
         for c in configs:
-            with configured(c):
+            with configured_row(c):
                 out[c]["wall"].append(timed(step, steps))
     for c in configs:
         out[c]["wall_ms"] = round(statistics.median(out[c].pop("wall")), 3)
     for c in configs:  # last: torch.profiler leaves CUPTI attached, which slows every later launch's host side
-        with configured(c):
+        with configured_row(c):
             k = kernels(step)
         out[c]["kernels_ms"] = {key: k.get(key) for key in ("total", "delta rule", "fused (gdn_compat)", "gemm")}
         out[c]["top"] = k["top"]
@@ -110,7 +128,7 @@ def row(shape: str, pack: str, configs: list[str], rounds: int, steps: int, said
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=ROWS, help="shape:pack,... of SHAPES and PACKS")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {', '.join(CONFIGS)}")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", default=None)

@@ -149,7 +149,39 @@ def test_a_captured_step_without_flashqlas_metadata_contract_is_refused_with_a_c
         is_cuda = True
 
     with pytest.raises(RuntimeError, match="does not take a pack's chunk metadata"):
-        fast.flashqla_skip(fast.Fast(flashqla=True), None, None, CudaLike(), _device_pack([3, 5], slots=4))
+        fast.flashqla_skip(fast.Fast(flashqla=True), None, _Loc(32), CudaLike(), _device_pack([3, 5], slots=4))
+
+
+class _Loc:  # the local sizes flashqla_skip reads: value heads of 128
+    def __init__(self, heads):
+        self.v, self.dv, self.dk = heads * 128, 128, 128
+
+
+def test_a_graph_safe_pack_of_few_value_heads_keeps_flas_rule_and_says_why_at_info(caplog):
+    """Without the host offsets FlashQLA runs without intra-card CP, slower than fla's rule on one long document below
+    32 value heads per rank (measured: docs/fast-paths.md): such a call keeps fla's rule (it never reaches the install
+    checks, so an older FlashQLA is no reason to refuse it), once said at INFO; at 32 heads, and for a host pack at 16,
+    the rule does not apply."""
+    from gdn_compat.patches.gdn_thd import fast
+
+    class CudaLike:
+        is_cuda = True
+
+    on = fast.Fast(flashqla=True)
+    why = fast.flashqla_skip(on, None, _Loc(16), CudaLike(), _device_pack([3000, 5], slots=4))
+    assert why is not None and "16 value heads per rank" in why and "fla's rule runs" in why
+    with pytest.raises(RuntimeError, match="does not take a pack's chunk metadata"):  # past the rule: the install
+        fast.flashqla_skip(on, None, _Loc(32), CudaLike(), _device_pack([3000, 5], slots=4))
+    from gdn_compat.patches.gdn_thd import pack as P
+
+    host_pack = P.pack_for(packed(offsets([3000, 5])), 3005, torch.device("cpu"))
+    host = fast.flashqla_skip(on, None, _Loc(16), torch.zeros(2, 1, 8), host_pack)
+    assert host == "FlashQLA needs a CUDA tensor"  # a host pack at 16 heads goes on to the usual checks
+    fast.forget_notes()
+    with caplog.at_level(logging.INFO, logger="gdn_compat"):
+        fast.note("gdn_flashqla", why)
+        fast.note("gdn_flashqla", why)
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
 
 
 def test_the_probe_reads_flashqlas_metadata_contract_from_its_index_helpers():

@@ -11,7 +11,9 @@ A call that cannot take a path keeps the default one, and the reason is logged o
 there: FlashQLA under CUDA-graph capture or with a ``PackBuffer`` when the installed FlashQLA does not take a pack's
 chunk metadata from its offsets tensor (then it would read a chunk count on the host). Where it does (flash-qla
 0.1.3), a graph-safe pack hands FlashQLA metadata built by device ops with sizes from shapes only (``flashqla_cu``),
-so one capture replays any layout, as with fla.
+so one capture replays any layout, as with fla. A graph-safe pack takes FlashQLA only at ``GRAPH_SAFE_FLASHQLA_HEADS``
+or more value heads per rank: it cannot use FlashQLA's intra-card CP, and without CP fewer heads run one long document
+slower than fla's rule (and than native); below that the call keeps fla's rule, said once at INFO.
 """
 
 from __future__ import annotations
@@ -49,14 +51,22 @@ class Fast:
 NONE = Fast()  # the default paths only
 
 EMPTY_PACK = "an empty pack (no tokens)"
+# A graph-safe pack (capture, PackBuffer) cannot use FlashQLA's intra-card CP (its decision reads the offsets on the
+# host), and without it one long document runs its chunks one after another per value head: FlashQLA's rule then takes
+# about the same time at 16 value heads as at 32 (H200, one 32k document: 7.68 and 7.85 ms), where fla's, which also
+# splits the value dim, scales with the heads (5.06 and 8.96 ms). Below this many value heads per rank a graph-safe
+# pack runs fla's rule, never slower than native on any pack; FlashQLA's is faster at 32 and 64 (#37).
+GRAPH_SAFE_FLASHQLA_HEADS = 32
+FEW_HEADS = "a graph-safe pack"
 
 
 def note(path: str, reason: str) -> None:
     """Log once per process that a call did not take ``path``, which the user switched on, and why: a WARNING (the
-    reason is the layer's, the GPU's or the install's, so every such call falls back), INFO for an empty pack."""
+    reason is the layer's, the GPU's or the install's, so every such call falls back), INFO for an empty pack and for
+    a graph-safe pack of few value heads (a choice made for speed, not a shortfall)."""
     if (path, reason) not in _said:
         _said.add((path, reason))
-        log.log(logging.INFO if reason == EMPTY_PACK else logging.WARNING,
+        log.log(logging.INFO if reason == EMPTY_PACK or reason.startswith(FEW_HEADS) else logging.WARNING,
                 "%s not used for a packed GDN call: %s; it runs the default path (said once per process)", path, reason)
 
 
@@ -84,6 +94,11 @@ def flashqla_skip(fast: Fast, layer: Any, loc: Any, x: torch.Tensor, pack: Pack)
     """None when this call's delta rule runs through FlashQLA, else why not (logged by the caller)."""
     if not fast.flashqla:
         return "off"
+    heads = loc.v // loc.dv
+    if pack.cu_cpu is None and heads < GRAPH_SAFE_FLASHQLA_HEADS:
+        return (f"{FEW_HEADS} (CUDA-graph capture or a PackBuffer's offsets) at {heads} value heads per rank: without "
+                f"the host offsets FlashQLA's intra-card CP cannot be decided, and without it FlashQLA's rule is slower "
+                f"than fla's on one long document below {GRAPH_SAFE_FLASHQLA_HEADS} value heads, so fla's rule runs")
     if pack.cu_cpu is None and x.is_cuda and not fast.flashqla_graphs:
         raise RuntimeError(CAPTURE_REFUSAL.format(why="the probe's flashqla_metadata fact, read from "
                                                       "flash_qla/utils/index.py: python -m gdn_compat shows it"))
