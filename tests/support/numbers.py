@@ -119,12 +119,13 @@ def train() -> str:
 
 def long_rows(name: str = "h200-long-0.19.2.json") -> str:
     """bench_long's rows (#37): per layer shape and pack, each configuration's wall / GPU-kernel ms (kernel-time
-    speedup against native 0.19.2), whether FlashQLA's intra-card CP ran, and the peaks of native and both."""
+    speedup against native 0.19.2), whether FlashQLA's intra-card CP ran, and the peaks of native and both; "graph-safe"
+    (a PackBuffer's offsets, what a captured step runs) only where a run measured it."""
     data = _load(name)
-    configs = ["default", "fused", "flashqla", "fused+flashqla", "fused+flashqla/no-cp"]
+    configs = ["default", "fused", "flashqla", "fused+flashqla", "fused+flashqla/no-cp", "fused+flashqla/graph-safe"]
     head = ("| layer (local heads k / v) | pack | native 0.19.2 | `gdn_fused` | `gdn_flashqla` | both | "
-            "both, no intra-card CP | peak native / both |")
-    rows = [head, "|---|---|---|---|---|---|---|---|"]
+            "both, no intra-card CP | both, graph-safe | peak native / both |")
+    rows = [head, "|---|---|---|---|---|---|---|---|---|"]
     for key, r in data["rows"].items():
         shape, pack = key.split(":")
         dims, hk, hv = data["shapes"][shape]
