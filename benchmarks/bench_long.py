@@ -10,12 +10,13 @@ events, median over rounds of each round's median), GPU kernel ms from torch.pro
 fused kernels, GEMMs), peak memory of a step above its inputs and weights, the first call's seconds (compiles), and
 whether FlashQLA's intra-card CP ran (``fused+flashqla/no-cp`` is both switches with it held off, to show what it
 adds; ``.../graph-safe`` runs eagerly on a ``PackBuffer``'s offsets: what a captured step runs, with gdn_compat's own
-choices for a pack it cannot read on the host; not in the default configs). A training process runs one layer shape (every GDN layer of a model has the same heads) and many pack sizes, so
-compiled code is dropped (``torch._dynamo.reset()``) where the layer shape changes between rows and kept where only the
-pack does: after a second head count torch.compile recompiles a shared function with its head sizes symbolic, slower
-(measured: README). gdn_compat's own compiled step now keeps one copy per layer shape; the release's compiled methods,
-which native runs, are one function each (not measured in a mixed process). Each row is printed and written to the
-JSON as it completes, so a run cut short keeps its finished rows.
+choices for a pack it cannot read on the host; not in the default configs). A training process runs one layer shape
+(every GDN layer of a model has the same heads) and many pack sizes, so compiled code is dropped
+(``torch._dynamo.reset()``) where the layer shape changes between rows and kept where only the pack does: after a
+second head count torch.compile recompiles a shared function with its head sizes symbolic, slower (measured: README).
+gdn_compat's own compiled step now keeps one copy per layer shape; the release's compiled methods, which native runs,
+are one function each (not measured in a mixed process). Each row is printed and written to the JSON as it completes,
+so a run cut short keeps its finished rows.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ PACKS = {"16k": DESIGN_LENGTHS, "rl": RL_LENGTHS, "256x64": [64] * 256, "32k": [
 CONFIGS = {"default": {}, "fused": {"gdn_fused": True}, "flashqla": {"gdn_flashqla": True},
            "fused+flashqla": {"gdn_fused": True, "gdn_flashqla": True},
            "fused+flashqla/no-cp": {"gdn_fused": True, "gdn_flashqla": True},
-           "flashqla/graph-safe": {"gdn_flashqla": True}, "fused+flashqla/graph-safe": {"gdn_fused": True, "gdn_flashqla": True}}
+           "flashqla/graph-safe": {"gdn_flashqla": True},
+           "fused+flashqla/graph-safe": {"gdn_fused": True, "gdn_flashqla": True}}
 DEFAULT_CONFIGS = "default,fused,flashqla,fused+flashqla,fused+flashqla/no-cp"
 ROWS = ("qwen3-next:16k,qwen3-next:rl,qwen3-next:256x64,qwen3-next:32k,qwen3-next:128k,qwen3.5:16k,qwen3.5:32k,"
         "qwen3.5:128k,qwen3-next-tp2:32k,qwen3-next-tp4:32k,qwen3-next-tp8:32k,qwen3.5-tp2:32k,qwen3.5-tp4:32k,"
@@ -106,7 +108,7 @@ def row(shape: str, pack: str, configs: list[str], rounds: int, steps: int, said
             torch.cuda.synchronize()
             out[c]["peak_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20)
         out[c]["said"] = sorted(set(said.reasons))
-        out[c]["intra_cp"] = any("intra-card CP for a pack" in s for s in said.reasons)  # fast.flashqla_context's DEBUG line
+        out[c]["intra_cp"] = any("intra-card CP for a pack" in s for s in said.reasons)  # flashqla_context's DEBUG
     for _ in range(rounds):
         for c in configs:
             with configured_row(c):

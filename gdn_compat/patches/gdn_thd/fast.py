@@ -96,9 +96,10 @@ def flashqla_skip(fast: Fast, layer: Any, loc: Any, x: torch.Tensor, pack: Pack)
         return "off"
     heads = loc.v // loc.dv
     if pack.cu_cpu is None and heads < GRAPH_SAFE_FLASHQLA_HEADS:
-        return (f"{FEW_HEADS} (CUDA-graph capture or a PackBuffer's offsets) at {heads} value heads per rank: without "
-                f"the host offsets FlashQLA's intra-card CP cannot be decided, and without it FlashQLA's rule is slower "
-                f"than fla's on one long document below {GRAPH_SAFE_FLASHQLA_HEADS} value heads, so fla's rule runs")
+        return (f"{FEW_HEADS} (CUDA-graph capture or a PackBuffer's offsets) at {heads} value heads per rank: "
+                f"without the host offsets FlashQLA's intra-card CP cannot be decided, and without it FlashQLA's rule "
+                f"is slower than fla's on one long document below {GRAPH_SAFE_FLASHQLA_HEADS} value heads, so fla's "
+                f"rule runs")
     if pack.cu_cpu is None and x.is_cuda and not fast.flashqla_graphs:
         raise RuntimeError(CAPTURE_REFUSAL.format(why="the probe's flashqla_metadata fact, read from "
                                                       "flash_qla/utils/index.py: python -m gdn_compat shows it"))
