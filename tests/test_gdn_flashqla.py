@@ -142,19 +142,20 @@ def test_device_chunk_metadata_rows_match_flashqlas_own_numbering_without_empty_
     assert chunk_offsets.tolist()[:len(lengths) + 1] == [0, 3, 4, 5, 10]
 
 
-def test_a_captured_step_without_flashqlas_metadata_contract_is_refused_with_a_clear_error():
-    from gdn_compat.patches.gdn_thd import fast
-
-    class CudaLike:  # the refusal comes before anything touches the tensor (or a layer: any release)
-        is_cuda = True
-
-    with pytest.raises(RuntimeError, match="does not take a pack's chunk metadata"):
-        fast.flashqla_skip(fast.Fast(flashqla=True), None, _Loc(32), CudaLike(), _device_pack([3, 5], slots=4))
+class CudaLike:  # what flashqla_skip reads of the input before any kernel: nothing touches the tensor (or a layer)
+    is_cuda = True
 
 
 class _Loc:  # the local sizes flashqla_skip reads: value heads of 128
     def __init__(self, heads):
         self.v, self.dv, self.dk = heads * 128, 128, 128
+
+
+def test_a_captured_step_without_flashqlas_metadata_contract_is_refused_with_a_clear_error():
+    from gdn_compat.patches.gdn_thd import fast
+
+    with pytest.raises(RuntimeError, match="does not take a pack's chunk metadata"):
+        fast.flashqla_skip(fast.Fast(flashqla=True), None, _Loc(32), CudaLike(), _device_pack([3, 5], slots=4))
 
 
 def test_a_graph_safe_pack_of_few_value_heads_keeps_flas_rule_and_says_why_at_info(caplog):
@@ -163,9 +164,6 @@ def test_a_graph_safe_pack_of_few_value_heads_keeps_flas_rule_and_says_why_at_in
     checks, so an older FlashQLA is no reason to refuse it), once said at INFO; at 32 heads, and for a host pack at 16,
     the rule does not apply."""
     from gdn_compat.patches.gdn_thd import fast
-
-    class CudaLike:
-        is_cuda = True
 
     on = fast.Fast(flashqla=True)
     why = fast.flashqla_skip(on, None, _Loc(16), CudaLike(), _device_pack([3000, 5], slots=4))

@@ -55,9 +55,9 @@ EMPTY_PACK = "an empty pack (no tokens)"
 # host), and without it one long document runs its chunks one after another per value head: FlashQLA's rule then takes
 # about the same time at 16 value heads as at 32 (H200, one 32k document: 7.68 and 7.85 ms), where fla's, which also
 # splits the value dim, scales with the heads (5.06 and 8.96 ms). Below this many value heads per rank a graph-safe
-# pack runs fla's rule, never slower than native on any pack; FlashQLA's is faster at 32 and 64 (#37).
+# pack runs fla's rule, the one native runs; at 32 and 64 FlashQLA's is the faster even on one document (#37).
 GRAPH_SAFE_FLASHQLA_HEADS = 32
-FEW_HEADS = "a graph-safe pack"
+GRAPH_SAFE_FEW_HEADS = "a graph-safe pack"  # how that reason starts: note() says it at INFO
 
 
 def note(path: str, reason: str) -> None:
@@ -66,7 +66,8 @@ def note(path: str, reason: str) -> None:
     a graph-safe pack of few value heads (a choice made for speed, not a shortfall)."""
     if (path, reason) not in _said:
         _said.add((path, reason))
-        log.log(logging.INFO if reason == EMPTY_PACK or reason.startswith(FEW_HEADS) else logging.WARNING,
+        quiet = reason == EMPTY_PACK or reason.startswith(GRAPH_SAFE_FEW_HEADS)
+        log.log(logging.INFO if quiet else logging.WARNING,
                 "%s not used for a packed GDN call: %s; it runs the default path (said once per process)", path, reason)
 
 
@@ -96,10 +97,10 @@ def flashqla_skip(fast: Fast, layer: Any, loc: Any, x: torch.Tensor, pack: Pack)
         return "off"
     heads = loc.v // loc.dv
     if pack.cu_cpu is None and heads < GRAPH_SAFE_FLASHQLA_HEADS:
-        return (f"{FEW_HEADS} (CUDA-graph capture or a PackBuffer's offsets) at {heads} value heads per rank: "
-                f"without the host offsets FlashQLA's intra-card CP cannot be decided, and without it FlashQLA's rule "
-                f"is slower than fla's on one long document below {GRAPH_SAFE_FLASHQLA_HEADS} value heads, so fla's "
-                f"rule runs")
+        return (f"{GRAPH_SAFE_FEW_HEADS} (CUDA-graph capture or a PackBuffer's offsets) at {heads} value heads per "
+                f"rank: without the host offsets FlashQLA's intra-card CP cannot be decided, and without it "
+                f"FlashQLA's rule is slower than fla's on one long document below {GRAPH_SAFE_FLASHQLA_HEADS} value "
+                f"heads, so fla's rule runs")
     if pack.cu_cpu is None and x.is_cuda and not fast.flashqla_graphs:
         raise RuntimeError(CAPTURE_REFUSAL.format(why="the probe's flashqla_metadata fact, read from "
                                                       "flash_qla/utils/index.py: python -m gdn_compat shows it"))
