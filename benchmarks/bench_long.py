@@ -44,7 +44,7 @@ CONFIGS = {"default": {}, "fused": {"gdn_fused": True}, "flashqla": {"gdn_flashq
 DEFAULT_CONFIGS = "default,fused,flashqla,fused+flashqla,fused+flashqla/no-cp"
 ROWS = ("qwen3-next:16k,qwen3-next:rl,qwen3-next:256x64,qwen3-next:32k,qwen3-next:128k,qwen3.5:16k,qwen3.5:32k,"
         "qwen3.5:128k,qwen3-next-tp2:32k,qwen3-next-tp4:32k,qwen3-next-tp8:32k,qwen3.5-tp2:32k,qwen3.5-tp4:32k,"
-        "qwen3.5-tp8:32k")
+        "qwen3.5-tp8:32k,ratio-3:32k")
 
 
 @contextlib.contextmanager
