@@ -30,7 +30,7 @@ import time
 import torch
 
 from benchmarks.bench_fast import NotTaken
-from tests.support.gdn import LAYER_SHAPES, RL_LENGTHS, build_gdn, offsets, packed, packed_run
+from tests.support.gdn import LAYER_SHAPES, RL_LENGTHS, build_gdn, fp32_truth, offsets, packed, packed_run
 
 PACKS = {"rl": RL_LENGTHS, "64k": [65536], "32k": [32768]}
 CONFIGS = {"fused": {"gdn_fused": True}, "flashqla": {"gdn_flashqla": True},
@@ -42,22 +42,6 @@ def _errors(run, want: dict) -> dict[str, float]:
     out, dx, grads = run
     got = {"out": out, "dx": dx, **grads}
     return {n: (got[n].float() - w.float()).norm().item() ** 2 for n, w in want.items()}
-
-
-def _truth(ref, x: torch.Tensor, dy: torch.Tensor, lengths: list[int]) -> dict:
-    cu = offsets(lengths)
-    ref.zero_grad(set_to_none=True)
-    outs, dxs = [], []
-    for a, b in zip(cu, cu[1:]):
-        if b == a:
-            continue
-        xi = x[a:b].float().detach().requires_grad_(True)
-        oi = ref(xi, None)[0]
-        oi.backward(dy[a:b].float())
-        outs.append(oi.detach())
-        dxs.append(xi.grad)
-    return {"out": torch.cat(outs), "dx": torch.cat(dxs),
-            **{n: p.grad.detach().clone() for n, p in ref.named_parameters()}}
 
 
 def summary(rec: dict, repeats: int, configs: list[str]) -> dict:
@@ -134,7 +118,7 @@ def main() -> None:
         t0 = time.time()
         for i in range(args.draws):
             dy = torch.randn(x.shape, device=dev, dtype=torch.bfloat16, generator=gen)
-            want = _truth(ref, x, dy, lengths)
+            want = fp32_truth(ref, x, [dy], lengths)[0]
             rec["den"].append({n: w.float().norm().item() ** 2 for n, w in want.items()})
             with gdn_compat.applied():
                 for r in range(1, args.repeats + 1):

@@ -22,6 +22,7 @@ from tests.support.gdn import (
     RL_LENGTHS,
     build_gdn,
     captured_layer_step,
+    fp32_truth,
     offsets,
     packed,
     packed_run,
@@ -92,26 +93,6 @@ def truth():
         dys = [torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(DRAWS)]
         out[name] = (layer, x, dys, fp32_truth(ref, x, dys, lengths))
     return out
-
-
-def fp32_truth(ref, x: torch.Tensor, dys: list[torch.Tensor], lengths: list[int]) -> list[dict]:
-    """Per draw: ``ref`` (the fp32 deterministic_mode copy) run on every sequence alone, its output, input grad and
-    every parameter grad."""
-    cu, wants = offsets(lengths), []
-    for dy in dys:
-        ref.zero_grad(set_to_none=True)
-        outs, dxs = [], []
-        for a, b in zip(cu, cu[1:]):
-            if b == a:
-                continue
-            xi = x[a:b].float().detach().requires_grad_(True)
-            oi = ref(xi, None)[0]
-            oi.backward(dy[a:b].float())
-            outs.append(oi.detach())
-            dxs.append(xi.grad)
-        wants.append({"out": torch.cat(outs), "dx": torch.cat(dxs),
-                      **{n: p.grad.detach().clone() for n, p in ref.named_parameters()}})
-    return wants
 
 
 def pooled(got: list[dict], want: list[dict], name: str) -> float:

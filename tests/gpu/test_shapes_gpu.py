@@ -37,11 +37,10 @@ from tests.gpu.test_fast_gpu import (  # noqa: F401 - recompile_limit: its autou
     _as_dict,
     _config,
     _psp,
-    fp32_truth,
     judge_against_truth,
     recompile_limit,
 )
-from tests.support.gdn import LAYER_SHAPES, RL_LENGTHS, build_gdn, packed_run
+from tests.support.gdn import LAYER_SHAPES, RL_LENGTHS, build_gdn, fp32_truth, packed_run
 
 SHAPES = {k: v for k, v in LAYER_SHAPES.items() if k != "qwen3-next"}  # the full Qwen3-Next layer: test_fast_gpu
 LONG = {"qwen3.5-64k": ("qwen3.5", [65536]), "qwen3-next-tp8-64k": ("qwen3-next-tp8", [65536]),

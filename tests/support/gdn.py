@@ -156,6 +156,26 @@ def packed_run(m, x: torch.Tensor, psp, dy: torch.Tensor | None = None):
     return out.detach(), x.grad.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters()}
 
 
+def fp32_truth(ref, x: torch.Tensor, dys: list[torch.Tensor], lengths: list[int]) -> list[dict]:
+    """Per draw: ``ref`` (the fp32 deterministic_mode copy) run on every sequence alone, its output, input grad and
+    every parameter grad."""
+    cu, wants = offsets(lengths), []
+    for dy in dys:
+        ref.zero_grad(set_to_none=True)
+        outs, dxs = [], []
+        for a, b in zip(cu, cu[1:]):
+            if b == a:
+                continue
+            xi = x[a:b].float().detach().requires_grad_(True)
+            oi = ref(xi, None)[0]
+            oi.backward(dy[a:b].float())
+            outs.append(oi.detach())
+            dxs.append(xi.grad)
+        wants.append({"out": torch.cat(outs), "dx": torch.cat(dxs),
+                      **{n: p.grad.detach().clone() for n, p in ref.named_parameters()}})
+    return wants
+
+
 def use_torch_l2norm(monkeypatch) -> None:
     """The release's unpacked GDN calls fla's Triton l2norm; on the CPU give it a torch one, in
     every module of this release's GDN that looks it up (0.19 splits GDN into a package)."""
