@@ -53,7 +53,8 @@ def kind(name: str) -> str:
     return "other"
 
 
-def _psp(lengths):
+def cuda_psp(lengths):
+    """A ``PackedSeqParams`` of ``lengths`` with its offsets on the GPU."""
     psp = packed(offsets(lengths))
     psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.cuda()
     return psp
@@ -112,7 +113,7 @@ def layer_rows(rounds: int, steps: int, configs: dict) -> dict:
     for name, lengths in PACKS.items():
         gen = torch.Generator(device="cuda").manual_seed(1)
         x = torch.randn(sum(lengths), 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
-        data[name] = (x.requires_grad_(True), _psp(lengths))
+        data[name] = (x.requires_grad_(True), cuda_psp(lengths))
 
     def step_of(pack):
         x, psp = data[pack]
@@ -167,7 +168,7 @@ def peak_rows(configs: dict, tokens: int = 65536) -> dict:
     layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=0, **QWEN3_NEXT)
     lengths = [tokens - 4096 - 8192, 8192, 4096]
     x = torch.randn(tokens, 1, QWEN3_NEXT["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    psp = _psp(lengths)
+    psp = cuda_psp(lengths)
     out = {}
     for cfg, switches in configs.items():
         with gdn_compat.applied(**switches):

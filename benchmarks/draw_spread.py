@@ -29,12 +29,12 @@ import time
 
 import torch
 
-from benchmarks.bench_fast import NotTaken
-from tests.support.gdn import LAYER_SHAPES, RL_LENGTHS, build_gdn, fp32_truth, offsets, packed, packed_run
+from benchmarks.bench_fast import CONFIGS as ALL_CONFIGS
+from benchmarks.bench_fast import NotTaken, cuda_psp
+from tests.support.gdn import LAYER_SHAPES, RL_LENGTHS, build_gdn, fp32_truth, packed_run
 
 PACKS = {"rl": RL_LENGTHS, "64k": [65536], "32k": [32768]}
-CONFIGS = {"fused": {"gdn_fused": True}, "flashqla": {"gdn_flashqla": True},
-           "fused+flashqla": {"gdn_fused": True, "gdn_flashqla": True}}
+CONFIGS = {c: s for c, s in ALL_CONFIGS.items() if s}  # the fast ones; the default path is run --repeats times
 BLOCK = 16  # draws per block: what test_shapes_gpu pooled for 8 value heads before its 512-value rule
 
 
@@ -100,24 +100,22 @@ def main() -> None:
     lengths = PACKS[args.pack]
     dims, hk, hv = LAYER_SHAPES[args.shape]
     rec: dict = {"den": [], "err": {}, "not bitwise repeatable": {c: 0 for c in configs}}
-    dev = "cuda"
     with world(cuda=True):
         facts = gdn_compat.probe(init_cuda=True)
         result: dict = {"megatron_core": facts.megatron.version if facts.megatron else None, "fla": str(facts.fla),
                         "flashqla": str(facts.flashqla), "torch": torch.__version__,
                         "gpu": torch.cuda.get_device_name(), "shape": args.shape, "heads": [hk, hv],
                         "pack": args.pack, "tokens": sum(lengths), "repeats": args.repeats}
-        layer = build_gdn(device=dev, dtype=torch.bfloat16, seed=4, hk=hk, hv=hv, **dims)  # as test_shapes_gpu
-        ref = build_gdn(device=dev, dtype=torch.float32, deterministic=True, seed=4, hk=hk, hv=hv, **dims)
+        layer = build_gdn(device="cuda", dtype=torch.bfloat16, seed=4, hk=hk, hv=hv, **dims)  # as test_shapes_gpu
+        ref = build_gdn(device="cuda", dtype=torch.float32, deterministic=True, seed=4, hk=hk, hv=hv, **dims)
         ref.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
                              for k, v in layer.state_dict().items()})
-        gen = torch.Generator(device=dev).manual_seed(12)
-        x = torch.randn(sum(lengths), 1, dims["hidden"], device=dev, dtype=torch.bfloat16, generator=gen)
-        psp = packed(offsets(lengths))
-        psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q.to(dev)
+        gen = torch.Generator(device="cuda").manual_seed(12)
+        x = torch.randn(sum(lengths), 1, dims["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
+        psp = cuda_psp(lengths)
         t0 = time.time()
         for i in range(args.draws):
-            dy = torch.randn(x.shape, device=dev, dtype=torch.bfloat16, generator=gen)
+            dy = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
             want = fp32_truth(ref, x, [dy], lengths)[0]
             rec["den"].append({n: w.float().norm().item() ** 2 for n, w in want.items()})
             with gdn_compat.applied():
