@@ -138,6 +138,7 @@ def _keeps_the_unfused_path(layer, seed: int, caplog, reason: str) -> None:
         got = packed_run(layer, x, packed(offsets(LENGTHS)))
     said = [r for r in caplog.records if f"gdn_fused not used for a packed GDN call: {reason}" in r.getMessage()]
     assert [r.levelname for r in said] == ["WARNING"]  # the user switched it on: a warning, once
+    assert "; such calls run as with gdn_fused off" in said[0].getMessage()  # and what runs: the equality below
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

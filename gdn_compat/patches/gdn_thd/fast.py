@@ -58,17 +58,23 @@ EMPTY_PACK = "an empty pack (no tokens)"
 # pack runs fla's rule, the one native runs; at 32 and 64 FlashQLA's is the faster even on one document (#37).
 GRAPH_SAFE_FLASHQLA_HEADS = 32
 GRAPH_SAFE_FEW_HEADS = "a graph-safe pack"  # how that reason starts: note() says it at INFO
+# What runs when a path is not taken: the call as with that one switch off. The other switch stays on (gdn_fused's
+# fallback still takes FlashQLA's rule where gdn_flashqla is on; a FlashQLA fallback inside the fused region keeps the
+# region), so it is not "the default path".
+INSTEAD = {"gdn_fused": "such calls run as with gdn_fused off",
+           "gdn_flashqla": "such calls run as with gdn_flashqla off",
+           "gdn_compat's packed path": "the release's own forward runs that layer"}
 
 
 def note(path: str, reason: str) -> None:
-    """Log once per process that a call did not take ``path``, which the user switched on, and why: a WARNING (the
-    reason is the layer's, the GPU's or the install's, so every such call falls back), INFO for an empty pack and for
-    a graph-safe pack of few value heads (a choice made for speed, not a shortfall)."""
+    """Log once per process that a call did not take ``path``, which the user switched on, why, and what runs instead
+    (``INSTEAD``): a WARNING (the reason is the layer's, the GPU's or the install's, so every such call falls back),
+    INFO for an empty pack and for a graph-safe pack of few value heads (a choice made for speed, not a shortfall)."""
     if (path, reason) not in _said:
         _said.add((path, reason))
         quiet = reason == EMPTY_PACK or reason.startswith(GRAPH_SAFE_FEW_HEADS)
         log.log(logging.INFO if quiet else logging.WARNING,
-                "%s not used for a packed GDN call: %s; it runs the default path (said once per process)", path, reason)
+                "%s not used for a packed GDN call: %s; %s (said once per process)", path, reason, INSTEAD[path])
 
 
 def forget_notes() -> None:
@@ -100,7 +106,7 @@ def flashqla_skip(fast: Fast, layer: Any, loc: Any, x: torch.Tensor, pack: Pack)
         return (f"{GRAPH_SAFE_FEW_HEADS} (CUDA-graph capture or a PackBuffer's offsets) at {heads} value heads per "
                 f"rank: without the host offsets FlashQLA's intra-card CP cannot be decided, and without it "
                 f"FlashQLA's rule is slower than fla's on one long document below {GRAPH_SAFE_FLASHQLA_HEADS} value "
-                f"heads, so fla's rule runs")
+                f"heads")
     if pack.cu_cpu is None and x.is_cuda and not fast.flashqla_graphs:
         raise RuntimeError(CAPTURE_REFUSAL.format(why="the probe's flashqla_metadata fact, read from "
                                                       "flash_qla/utils/index.py: python -m gdn_compat shows it"))
