@@ -204,7 +204,7 @@ def route(facts: Facts, original: Any, takes: Callable[[Any], bool], paths: Fast
                    f"packed path computes itself")
             if must:
                 raise ValueError(must.format(why=why))
-            fast.note("gdn_compat's packed path", why)
+            fast.note("gdn_compat's packed path", why, instead="the release's own forward runs that layer")
             return release()
         return packed_forward(self, core, hidden_states, pack, cp)
 

@@ -58,23 +58,18 @@ EMPTY_PACK = "an empty pack (no tokens)"
 # pack runs fla's rule, the one native runs; at 32 and 64 FlashQLA's is the faster even on one document (#37).
 GRAPH_SAFE_FLASHQLA_HEADS = 32
 GRAPH_SAFE_FEW_HEADS = "a graph-safe pack"  # how that reason starts: note() says it at INFO
-# What runs when a path is not taken: the call as with that one switch off. The other switch stays on (gdn_fused's
-# fallback still takes FlashQLA's rule where gdn_flashqla is on; a FlashQLA fallback inside the fused region keeps the
-# region), so it is not "the default path".
-INSTEAD = {"gdn_fused": "such calls run as with gdn_fused off",
-           "gdn_flashqla": "such calls run as with gdn_flashqla off",
-           "gdn_compat's packed path": "the release's own forward runs that layer"}
 
 
-def note(path: str, reason: str) -> None:
-    """Log once per process that a call did not take ``path``, which the user switched on, why, and what runs instead
-    (``INSTEAD``): a WARNING (the reason is the layer's, the GPU's or the install's, so every such call falls back),
-    INFO for an empty pack and for a graph-safe pack of few value heads (a choice made for speed, not a shortfall)."""
+def note(path: str, reason: str, instead: str | None = None) -> None:
+    """Log once per process that a call did not take ``path``, which the user switched on, why, and what runs
+    instead (by default the call as with that one switch off: the other switch stays on, so it is not "the default
+    path"): a WARNING (the reason is the layer's, the GPU's or the install's, so every such call falls back), INFO for
+    an empty pack and for a graph-safe pack of few value heads (a choice made for speed, not a shortfall)."""
     if (path, reason) not in _said:
         _said.add((path, reason))
         quiet = reason == EMPTY_PACK or reason.startswith(GRAPH_SAFE_FEW_HEADS)
-        log.log(logging.INFO if quiet else logging.WARNING,
-                "%s not used for a packed GDN call: %s; %s (said once per process)", path, reason, INSTEAD[path])
+        log.log(logging.INFO if quiet else logging.WARNING, "%s not used for a packed GDN call: %s; %s (said once per "
+                "process)", path, reason, instead or f"such calls run as with {path} off")
 
 
 def forget_notes() -> None:
