@@ -39,12 +39,14 @@ from gdn_compat._probe.facts import (
 )
 from gdn_compat._probe.fla import (
     _WY_GUARD,
+    FLA_FIX,
     INNER_BWD,
     INNER_FWD,
     ZERO_LENGTH_CHUNKS,
     ZERO_LENGTH_PACK,
     _probe_fla,
     atomic_free,
+    fla_problem,
     zero_length,
 )
 from gdn_compat._probe.flashqla import FLASHQLA_METADATA, _flashqla_metadata, _probe_flashqla
@@ -52,10 +54,10 @@ from gdn_compat._probe.gdn import GDN_LEGACY_PARAMS, GDN_NATIVE_PARAMS, _probe_g
 from gdn_compat._probe.gpu import _probe_gpu
 from gdn_compat._probe.mtp import _probe_mtp
 
-__all__ = ["CONFIG_MODULE", "FINALIZE_MODULE", "FLASHQLA_METADATA", "GDN_LEGACY_PARAMS", "GDN_MODULE",
+__all__ = ["CONFIG_MODULE", "FINALIZE_MODULE", "FLA_FIX", "FLASHQLA_METADATA", "GDN_LEGACY_PARAMS", "GDN_MODULE",
            "GDN_NATIVE_PARAMS", "INNER_BWD", "INNER_FWD", "MTP_MODULE", "ZERO_LENGTH_CHUNKS", "ZERO_LENGTH_PACK",
            "Accepts", "Conv", "Cp", "Dist", "Facts", "Gpu", "Layout", "Mtp", "Roll", "Thd", "Varlen", "_WY_GUARD",
-           "_flashqla_metadata", "accepts", "atomic_free", "package_version", "probe", "zero_length"]
+           "_flashqla_metadata", "accepts", "atomic_free", "fla_problem", "package_version", "probe", "zero_length"]
 
 
 def probe(*, init_cuda: bool = False) -> Facts:

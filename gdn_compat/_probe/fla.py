@@ -44,6 +44,32 @@ def _probe_fla(out: dict[str, Any]) -> None:
     out["notes"]["fla_varlen"] = f"fla failed to import ({out['fla_error']})"
 
 
+# What to install: fla-core has the kernels megatron-core's GatedDeltaNet imports (flash-linear-attention is a meta
+# package that adds models and transformers). Which release: the one made for the installed Triton (README,
+# "Prerequisites"; the doctor's rules say which stacks crash).
+FLA_FIX = ("pip install fla-core (or gdn-compat[fla]): fla-core 0.4.2 with torch <= 2.11 (Triton < 3.7), "
+           "fla-core >= 0.5.1 with torch >= 2.13 (Triton >= 3.7.1)")
+
+
+def fla_problem(facts: Any) -> str | None:
+    """What keeps the installed fla from running GatedDeltaNet, with the fix (None: its varlen kernels are there).
+    fla-core is what megatron-core's GDN imports its kernels from, and what gdn_compat's packed paths run, so every
+    patch of a packed path says this before anything else it could say."""
+    if facts.fla_error:
+        return (f"{facts.fla or 'fla'} fails to import ({facts.fla_error}), so megatron-core's GatedDeltaNet cannot "
+                f"be imported or built; install the fla-core release made for Triton {facts.triton} (fla-core 0.4.x "
+                f"needs Triton < 3.7, newer Triton fla-core >= 0.5)")
+    v = facts.fla_varlen
+    if v.rule is Accepts.ABSENT and v.conv is Accepts.ABSENT:  # the probe found no fla package to import
+        what = "fla-core is not installed" if facts.fla is None else f"{facts.fla} is installed, but not importable"
+        return (f"{what}: megatron-core's GatedDeltaNet needs it (building one raises ImportError), and gdn_compat's "
+                f"packed path runs its varlen kernels; {FLA_FIX}")
+    if not v.usable:
+        return (f"{facts.fla or 'fla'} lacks the varlen kernels packed GDN runs on (chunk_gated_delta_rule "
+                f"cu_seqlens={v.rule}, causal_conv1d cu_seqlens={v.conv}); pip install 'fla-core>=0.4.2'")
+    return None
+
+
 # Offsets with zero-length entries, [0, 3, 3, 70, 70]: three sequences, the middle and last empty. Their 64-token
 # chunks as (sequence, chunk): one of sequence 0, two of sequence 2.
 ZERO_LENGTH_PACK, ZERO_LENGTH_CHUNKS = [0, 3, 3, 70, 70], [[0, 0], [2, 0], [2, 1]]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gdn_compat._probe import GDN_MODULE, Accepts, Facts, Layout
+from gdn_compat._probe import GDN_MODULE, Accepts, Facts, Layout, fla_problem
 from gdn_compat._registry import Patch, Target
 
 
@@ -26,6 +26,8 @@ def decide(facts: Facts) -> str | None:
     mc = facts.release
     if facts.gdn is Layout.ABSENT:
         return f"{mc} has no GatedDeltaNet"
+    if facts.gdn is Layout.UNKNOWN and fla_problem(facts):  # a broken fla breaks the import of megatron's GDN
+        return f"not patched: {fla_problem(facts)}"
     if facts.gdn_backward_dw is Accepts.YES:
         where = facts.notes.get("gdn_backward_dw", "")
         if where.startswith("the release's own"):

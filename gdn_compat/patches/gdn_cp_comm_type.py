@@ -15,13 +15,15 @@ import functools
 import inspect
 from typing import Any
 
-from gdn_compat._probe import GDN_MODULE, Accepts, Facts, Layout
+from gdn_compat._probe import GDN_MODULE, Accepts, Facts, Layout, fla_problem
 from gdn_compat._registry import Patch, Target
 
 
 def decide(facts: Facts) -> str | None:
     if facts.gdn is Layout.ABSENT:
         return f"{facts.release} has no GatedDeltaNet"
+    if facts.gdn is Layout.UNKNOWN and fla_problem(facts):  # a broken fla breaks the import of megatron's GDN
+        return f"not patched: {fla_problem(facts)}"
     if facts.gdn_init_cp_comm_type is Accepts.YES:
         return f"{facts.release} GatedDeltaNet.__init__ already accepts cp_comm_type (upstream #5843)"
     if facts.gdn_init_cp_comm_type is not Accepts.NO:

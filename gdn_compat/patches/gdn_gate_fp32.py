@@ -27,12 +27,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gdn_compat._probe import GDN_MODULE, Accepts, Facts, Layout
+from gdn_compat._probe import GDN_MODULE, Accepts, Facts, Layout, fla_problem
 from gdn_compat._registry import Patch, Target
 
 
 def decide(facts: Facts) -> str | None:
     mc = facts.release
+    if facts.gdn is Layout.UNKNOWN and fla_problem(facts):  # a broken fla breaks the import of megatron's GDN
+        return f"not patched: {fla_problem(facts)}"
     if facts.gdn in (Layout.ABSENT, Layout.UNKNOWN):
         return f"{mc} has no GatedDeltaNet" if facts.gdn is Layout.ABSENT else "GatedDeltaNet not readable"
     if facts.gdn_gate_exp == "absent":

@@ -24,13 +24,15 @@ from typing import Any
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from gdn_compat._probe import FINALIZE_MODULE, Accepts, Facts, Layout
+from gdn_compat._probe import FINALIZE_MODULE, Accepts, Facts, Layout, fla_problem
 from gdn_compat._registry import Patch, Target
 
 
 def decide(facts: Facts) -> str | None:
     if facts.gdn is Layout.ABSENT:
         return f"{facts.release} has no GatedDeltaNet"
+    if facts.gdn is Layout.UNKNOWN and fla_problem(facts):  # a broken fla breaks the import of megatron's GDN
+        return f"not patched: {fla_problem(facts)}"
     if facts.gdn_out_norm_tp_sum is Accepts.YES:
         return f"{facts.release} finalize_model_grads already sums GatedDeltaNet out_norm grads over tp"
     if facts.gdn_out_norm_tp_sum is not Accepts.NO:

@@ -16,19 +16,14 @@ from typing import Any
 
 from gdn_compat._probe import GDN_MODULE, Facts
 from gdn_compat._registry import Patch, Target
+from gdn_compat.patches.gdn_thd import carrier_skip, route
 from gdn_compat.patches.gdn_thd import context_parallel as cpx
-from gdn_compat.patches.gdn_thd import route, route_skip
 
 
 def decide(facts: Facts) -> str | None:
-    skip = route_skip(facts, "gdn_thd's context parallelism is fused already")
-    if skip:
-        return skip
-    if not facts.gdn_cp_per_sequence:
+    if facts.gdn_native_shape and not facts.gdn_cp_per_sequence:  # 0.19: not needed, whatever fla is installed
         return f"{facts.release} GatedDeltaNet runs packed context parallelism with one all-to-all per pack (upstream #4913)"
-    if not facts.fla_varlen.usable:
-        return f"not patched: {facts.fla or 'fla'} lacks the varlen kernels packed GDN runs on"
-    return None
+    return carrier_skip(facts, "gdn_thd's context parallelism is fused already")
 
 
 def build(facts: Facts, original: Any) -> Any:

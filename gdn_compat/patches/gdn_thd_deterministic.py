@@ -21,11 +21,11 @@ from typing import Any
 
 from gdn_compat._probe import GDN_MODULE, Accepts, Facts
 from gdn_compat._registry import Patch, Target
-from gdn_compat.patches.gdn_thd import route, route_skip
+from gdn_compat.patches.gdn_thd import carrier_skip, route
 
 
 def decide(facts: Facts) -> str | None:
-    skip = route_skip(facts, "gdn_thd's packed path covers deterministic mode there")
+    skip = carrier_skip(facts, "gdn_thd's packed path covers deterministic mode there")
     if skip:
         return skip
     if facts.gdn_thd_deterministic is not Accepts.NO:

@@ -18,11 +18,11 @@ from typing import Any
 
 from gdn_compat._probe import GDN_MODULE, Facts
 from gdn_compat._registry import Patch, Target
-from gdn_compat.patches.gdn_thd import route, route_skip
+from gdn_compat.patches.gdn_thd import carrier_skip, route
 
 
 def decide(facts: Facts) -> str | None:
-    skip = route_skip(facts, "gdn_thd's packed path is graph-safe there")
+    skip = carrier_skip(facts, "gdn_thd's packed path is graph-safe there")
     if skip:
         return skip
     if not facts.fla_varlen.graph_safe:

@@ -25,7 +25,7 @@ from typing import Any
 
 from gdn_compat._probe import GDN_MODULE, Accepts, Facts
 from gdn_compat._registry import Patch, Target
-from gdn_compat.patches.gdn_thd import route, route_skip
+from gdn_compat.patches.gdn_thd import carrier_skip, route
 
 REFUSAL = ("gdn_compat: these packed offsets hold zero-length entries, which {fla}'s kernels mishandle in the "
            "release's own forward (its chunk table numbers sequences wrong: garbage or NaN), and gdn_compat's packed "
@@ -34,7 +34,7 @@ REFUSAL = ("gdn_compat: these packed offsets hold zero-length entries, which {fl
 
 
 def decide(facts: Facts) -> str | None:
-    skip = route_skip(facts, "gdn_thd drops zero-length entries from the offsets it hands fla there")
+    skip = carrier_skip(facts, "gdn_thd drops zero-length entries from the offsets it hands fla there")
     if skip:
         return skip
     if facts.fla_zero_length is Accepts.YES:
@@ -42,8 +42,6 @@ def decide(facts: Facts) -> str | None:
                 f"({facts.notes['fla_zero_length']})")
     if facts.fla_zero_length is not Accepts.NO:
         return f"not patched: {facts.notes.get('fla_zero_length', 'fla chunk indices not probed')}"
-    if not facts.fla_varlen.usable:
-        return f"not patched: {facts.fla or 'fla'} lacks the varlen kernels packed GDN runs on"
     return None
 
 

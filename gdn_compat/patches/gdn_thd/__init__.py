@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gdn_compat._probe import GDN_MODULE, Cp, Facts, Layout, Thd
+from gdn_compat._probe import GDN_MODULE, Cp, Facts, Layout, Thd, fla_problem
 from gdn_compat._registry import MARKER, Patch, Target
 from gdn_compat.patches.gdn_thd import context_parallel as cpx
 from gdn_compat.patches.gdn_thd import fast
@@ -39,6 +39,8 @@ def decide(facts: Facts) -> str | None:
     mc = facts.release
     if facts.gdn is Layout.ABSENT:
         return f"{mc} has no GatedDeltaNet"
+    if facts.gdn_thd is not Thd.NATIVE and fla_problem(facts):  # said first: without fla the GDN shape reads as unknown
+        return f"not patched: {fla_problem(facts)}"
     if facts.gdn is Layout.UNKNOWN:
         return f"not patched: {facts.notes.get('gdn', 'GatedDeltaNet not readable')}"
     if facts.gdn_thd is Thd.NATIVE:
@@ -50,12 +52,6 @@ def decide(facts: Facts) -> str | None:
                 "helpers (_apply_gated_norm, l2norm, torch_chunk_gated_delta_rule) differ from 0.16/0.17")
     if facts.gdn_cp is Cp.NATIVE:
         return "not patched, unknown GatedDeltaNet shape: refuses THD yet has context parallelism"
-    if not facts.fla_varlen.usable:
-        v = facts.fla_varlen
-        return (f"not patched: {facts.fla or 'fla'} lacks the varlen kernels packed GDN runs on "
-                f"(chunk_gated_delta_rule cu_seqlens={v.rule}, causal_conv1d cu_seqlens={v.conv}"
-                + (f"; {facts.notes['fla_varlen']}" if "fla_varlen" in facts.notes else "")
-                + "); install fla-core>=0.4.2")
     return None
 
 
@@ -155,12 +151,15 @@ def fast_below(original: Any) -> Fast:
     return found
 
 
-def carrier_skip(facts: Facts) -> str | None:
-    """Why gdn_compat's packed path cannot carry an opt-in path (gdn_flashqla, gdn_fused) on this release: on
-    0.16/0.17 what gdn_thd needs (and those patches require gdn_thd), on 0.18/0.19 the native shape."""
+def carrier_skip(facts: Facts, legacy: str | None = None) -> str | None:
+    """Why gdn_compat's packed path cannot carry a route on this release. On 0.16/0.17: ``legacy`` (what gdn_thd itself
+    covers there) for a route of the native forward, else what gdn_thd needs (the opt-in paths, gdn_flashqla and
+    gdn_fused, require gdn_thd there). On 0.18/0.19: a missing or unusable fla (with the fix), then the native
+    shape."""
     if facts.gdn_thd is Thd.REFUSES:
-        return decide(facts)
-    return route_skip(facts, "")
+        return decide(facts) if legacy is None else route_skip(facts, legacy)
+    problem = None if facts.gdn is Layout.ABSENT else fla_problem(facts)
+    return f"not patched: {problem}" if problem else route_skip(facts, legacy or "")
 
 
 def needs_gdn_thd(facts: Facts) -> tuple[str, ...]:
