@@ -12,7 +12,7 @@ from typing import Literal
 
 from packaging.version import InvalidVersion, Version
 
-from gdn_compat._probe import Accepts, Conv, Facts, Layout, Mtp, Roll, Thd
+from gdn_compat._probe import FLA_FIX, Accepts, Conv, Facts, Layout, Mtp, Roll, Thd
 
 Severity = Literal["error", "danger", "warning", "info"]
 FLA_640 = "https://github.com/fla-org/flash-linear-attention/issues/640"
@@ -30,6 +30,7 @@ class Finding:
     message: str
     source: str = ""
     fix: str = ""
+    fixed_by: str = ""  # a gdn_compat patch that takes this hazard away where it applies (nothing to do then)
 
     def __str__(self) -> str:
         text = f"[{self.severity}] {self.code}: {self.message}"
@@ -75,7 +76,7 @@ def _zero_length(facts: Facts) -> list[Finding]:
         f"default) runs exactly those calls through gdn_compat's packed path.",
         "https://github.com/fla-org/flash-linear-attention",
         "gdn_compat.apply() (or GDN_COMPAT_AUTO=1); without gdn_compat, drop zero-length entries from cu_seqlens or "
-        "use fla-core >= 0.5.1")]
+        "use fla-core >= 0.5.1", fixed_by="gdn_thd_zero_length")]
 
 
 FLASHQLA_FIXED = Version("0.1.3")  # fixed dg for strong decay and the SM90 backward tail padding
@@ -114,7 +115,7 @@ def _fla_install(facts: Facts) -> list[Finding]:
             "error", "fla-missing",
             f"{facts.release} has GatedDeltaNet but fla is not installed: building a GDN "
             f"layer raises ImportError deep inside model construction.",
-            fix="pip install fla-core (kernels only; flash-linear-attention also pulls transformers)")]
+            fix=FLA_FIX)]
     if _has_gdn(facts) and Accepts.NO in (facts.fla_varlen.rule, facts.fla_varlen.conv):
         return [Finding(
             "error", "fla-no-varlen",
@@ -215,7 +216,8 @@ def _gdn_shapes(facts: Facts) -> list[Finding]:
             f"{facts.release} runs unpacked GDN convolutions through {facts.gdn_conv}"
             + (" (slower than the causal_conv1d package)" if facts.gdn_conv is Conv.NN_CONV1D else "")
             + "; packed (THD) input through gdn_compat uses fla's varlen causal_conv1d."))
-    for what, field, unknown in (("GatedDeltaNet", "gdn_thd", facts.gdn_thd is Thd.UNKNOWN),
+    # a broken fla breaks the import of megatron's GatedDeltaNet: fla-import says so, not an unknown shape
+    for what, field, unknown in (("GatedDeltaNet", "gdn_thd", facts.gdn_thd is Thd.UNKNOWN and not facts.fla_error),
                                  ("MultiTokenPredictionLayer", "mtp", facts.mtp is Mtp.UNKNOWN)):
         if unknown:
             out.append(Finding(
