@@ -19,7 +19,7 @@ from typing import Any
 
 from gdn_compat import _probe, graphs
 from gdn_compat._probe import Facts
-from gdn_compat._registry import Record, Registry, Report, switches_from
+from gdn_compat._registry import Record, Registry, Report, kept_out, switches_from
 from gdn_compat.hazards import Finding, check
 from gdn_compat.patches import PATCHES
 
@@ -34,6 +34,7 @@ _registry = Registry(PATCHES)
 _warned: set[Finding] = set()
 _warned_switches: set[tuple[str, str, str]] = set()
 _said: set[str] = set()  # summary lines, once per process
+_quiet: set[str] = set()  # opt-in patches the latest apply() was not asked for: never "not applied"
 _from_hook: dict[str, Any] = {"mark": None, "source": None}  # where the GDN_COMPAT_AUTO hook's patches begin
 
 
@@ -82,11 +83,16 @@ def _apply(force: Iterable[str], switches: dict[str, bool], source: str | None) 
             _warned_switches.add(("switched-off", name, off[name]))
             log.warning("%s is already applied in this process; %s does not undo it: gdn_compat.revert() (or the "
                         "gdn_compat.applied() context) does", name, off[name])
-    records = _registry.apply(facts, off, forced)
-    result = _report(facts)
-    _summary(facts, records, source)
+    _registry.apply(facts, off, forced)
+    _quiet.clear()
+    _quiet.update(_OPT_IN_OFF(off))
+    result = _report(facts, source)
+    if result.summary not in _said:  # once per process
+        _said.add(result.summary)
+        failed = any(r.status == "failed" for r in result)
+        log.log(logging.ERROR if failed else logging.INFO, "%s", result.summary)
     for finding in result.findings:  # after the patch decisions, once per process
-        if finding.severity != "info" and finding not in _warned:
+        if finding.severity != "info" and finding not in _warned and finding.fixed_by not in result.applied:
             _warned.add(finding)
             log.warning("%s", finding)
     return result
@@ -96,18 +102,23 @@ def _call(forced: frozenset[str], switches: dict[str, bool]) -> str:
     return ", ".join([*(f"{k}={v}" for k, v in switches.items()), *([f"force={sorted(forced)}"] if forced else [])])
 
 
-def _summary(facts: Facts, records: list[Record], source: str | None) -> None:
-    """One INFO line for an apply(): what is applied now, how many skipped, where the call came from."""
+def _blocked(rec: Record) -> bool:
+    """A patch this release needs that something kept out (``_registry.kept_out``), unless nobody asked for it."""
+    return rec.name not in _quiet and kept_out(rec.status, rec.reason)
+
+
+def _summary(facts: Facts, records: tuple[Record, ...], source: str | None) -> str:
+    """The one INFO line of an apply(): what is applied now, what was kept out, how many are not needed here or off,
+    where the call came from."""
     applied = [r.name for r in records if r.status == "applied"]
     failed = [r.name for r in records if r.status == "failed"]
-    skipped = sum(r.status == "skipped" for r in records)
-    line = (f"{facts.release}: {'applied ' + ', '.join(applied) if applied else 'nothing to apply'}"
+    blocked = [r.name for r in records if _blocked(r)]
+    rest = sum(r.status == "skipped" for r in records) - len(blocked)
+    return (f"{facts.release}: {'applied ' + ', '.join(applied) if applied else 'nothing applied'}"
             + (f" (from {source}, when megatron-core was imported)" if source else "")
             + (f"; FAILED {', '.join(failed)}" if failed else "")
-            + f"; {skipped} skipped (python -m gdn_compat, or GDN_COMPAT_LOG=debug, says why)")
-    if line not in _said:
-        _said.add(line)
-        log.log(logging.ERROR if failed else logging.INFO, "%s", line)
+            + (f"; NOT applied {', '.join(blocked)} (print(gdn_compat.report()) says why)" if blocked else "")
+            + f"; {rest} not needed here or off (python -m gdn_compat --verbose says why)")
 
 
 def plan(facts: Facts | None = None, *, force: Iterable[str] = (), **switches: bool) -> list[Record]:
@@ -181,9 +192,10 @@ def _forced(force: Iterable[str]) -> frozenset[str]:
     return names
 
 
-def _report(facts: Facts) -> Report:
+def _report(facts: Facts, source: str | None = None) -> Report:
     records = tuple(_registry.records[n] for n in _NAMES if n in _registry.records)
-    return Report(records=records, findings=tuple(check(facts)), facts=facts)
+    return Report(records=records, findings=tuple(check(facts)), facts=facts, summary=_summary(facts, records, source),
+                  blocked=tuple(r.name for r in records if _blocked(r)))
 
 
 def _at_import() -> None:

@@ -90,6 +90,19 @@ class Report:
     records: tuple[Record, ...]
     findings: tuple[Any, ...] = ()
     facts: Facts | None = None
+    summary: str = ""  # the one line apply() logs at INFO
+    blocked: tuple[str, ...] = ()  # patches this release needs that something kept out (their reasons say what)
+
+    def __str__(self) -> str:
+        """The summary line, then each patch that failed or was kept out and each hazard apply() did not take away,
+        with its reason: ``print(gdn_compat.apply())`` shows what happened."""
+        applied = set(self.applied)
+        why = by_reason([(r.name, r.reason) for r in self.records if r.name in self.blocked])
+        return "\n".join([f"gdn_compat: {self.summary or f'{len(applied)} applied'}",
+                          *(f"  not applied {', '.join(names)}: {reason}" for reason, names in why.items()),
+                          *(f"  FAILED {r.name}: {r.reason}" for r in self.records if r.status == "failed"),
+                          *(f"  {f}" for f in self.findings
+                            if getattr(f, "severity", "") != "info" and getattr(f, "fixed_by", "") not in applied)])
 
     def __getitem__(self, name: str) -> Record:
         for rec in self.records:
@@ -103,6 +116,24 @@ class Report:
     @property
     def applied(self) -> tuple[str, ...]:
         return tuple(r.name for r in self.records if r.status == "applied")
+
+
+def kept_out(status: str, reason: str) -> bool:
+    """A patch the release needs that something kept out: a missing or unusable dependency, someone else's object on
+    its target, an unknown shape (``not patched...``), or a patch it needs that was kept out."""
+    return status == "skipped" and (reason.startswith("not patched")
+                                    or reason.startswith("needs ") and "(not patched" in reason)
+
+
+def by_reason(kept: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """(name, reason) of patches kept out, as reason -> names; a patch kept out because another one is reads
+    "needs X (kept out too)" rather than repeating X's reason."""
+    names = {n for n, _ in kept}
+    out: dict[str, list[str]] = {}
+    for name, reason in kept:
+        need = reason[len("needs "):].split(",", 1)[0] if reason.startswith("needs ") else ""
+        out.setdefault(f"needs {need}, kept out too" if need in names else reason, []).append(name)
+    return out
 
 
 def describe(obj: Any) -> str:
