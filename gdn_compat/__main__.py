@@ -1,16 +1,21 @@
-"""The doctor: ``python -m gdn_compat [--json] [--key-head-dim N]``.
+"""The doctor: ``python -m gdn_compat [--verbose] [--json] [--key-head-dim N]``.
 
-Prints the stack, each probe's finding, what ``apply()`` would decide for each patch, and the known
-kernel-stack hazards. Exit codes: 0 nothing wrong, 1 a finding is an error or a danger, 2 a usage
-error (a bad argument or a bad ``GDN_COMPAT_DISABLE``), reported as a finding too.
+By default: the verdict, what to fix first, what ``apply()`` would apply and what it could not, in about 20 lines;
+``--verbose`` adds the stack's paths, every probe, every patch's reason and every finding; ``--json`` is all of it as
+data. Exit codes: 0 nothing wrong, 1 a finding is an error or a danger, 2 a usage error (a bad argument or a bad
+``GDN_COMPAT_DISABLE``), reported as a finding too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
@@ -27,7 +32,8 @@ def doctor(key_head_dim: int | None = None) -> dict[str, Any]:
         _gdn_compat_auto.disarm()
     except ImportError:
         pass
-    facts = gdn_compat.probe(init_cuda=True)  # its own process: creating a CUDA context harms nobody
+    with quiet_third_party():
+        facts = gdn_compat.probe(init_cuda=True)  # its own process: creating a CUDA context harms nobody
     findings = hazards.check(facts, key_head_dim=key_head_dim)
     try:
         plan = [dataclasses.asdict(r) for r in gdn_compat.plan(facts)]
@@ -46,6 +52,24 @@ def doctor(key_head_dim: int | None = None) -> dict[str, Any]:
         "ok": not hazards.failing(findings),
         "exit": EXIT_USAGE if usage else (EXIT_PROBLEM if hazards.failing(findings) else EXIT_OK),
     }
+
+
+@contextlib.contextmanager
+def quiet_third_party() -> Iterator[None]:
+    """What megatron-core, fla and torch say while the probe imports them (UserWarnings about Transformer Engine, Apex,
+    absl; torch's "No CUDA runtime is found") is theirs, not a finding: the doctor, a process of its own, keeps it off
+    its output. The library itself never silences anyone's warnings."""
+    loggers = [logging.getLogger(n) for n in ("torch.utils.cpp_extension", "megatron", "fla")]
+    levels = [x.level for x in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in loggers:
+            x.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for x, level in zip(loggers, levels):
+                x.setLevel(level)
 
 
 def auto_status() -> dict[str, Any]:
@@ -120,15 +144,94 @@ def _graph_safe(v: dict[str, Any]) -> bool:
     return Varlen(**{k: Accepts(x) for k, x in v.items()}).graph_safe
 
 
-def render(data: dict[str, Any]) -> str:
-    f = data["facts"]
+def _failing(data: dict[str, Any]) -> int:
+    return sum(1 for item in data["findings"] if item["severity"] in ("error", "danger"))
+
+
+def _to_fix(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Findings a user acts on: errors, dangers and warnings, less those a patch apply() would apply takes away."""
+    coming = {p["name"] for p in data["patches"] if p["status"] in ("would_apply", "applied")}
+    return [x for x in data["findings"] if x["severity"] != "info" and x.get("fixed_by", "") not in coming]
+
+
+def _kept_out(data: dict[str, Any]) -> dict[str, list[str]]:
+    """reason -> the patches this release needs that it keeps out (an opt-in patch only where GDN_COMPAT_ENABLE asks
+    for it)."""
+    import os
+
+    from gdn_compat._registry import ENV_ENABLE, by_reason, kept_out
+    from gdn_compat.patches import PATCHES
+
+    asked = {n.strip() for n in os.environ.get(ENV_ENABLE, "").split(",")}
+    quiet = {p.name for p in PATCHES if p.opt_in} - asked
+    return by_reason([(r["name"], r["reason"]) for r in data["patches"]
+                      if r["name"] not in quiet and kept_out(r["status"], r["reason"])])
+
+
+def _stack_line(f: dict[str, Any]) -> str:
     mc, fla, gpu = f["megatron"] or {}, f["fla"] or {}, f["gpu"]
+    parts = [f"megatron-core {mc['version']}" if mc else "megatron-core: not installed",
+             f"torch {f['torch']}" + (f" (Triton {f['triton']})" if f["triton"] else "") if f["torch"] else
+             "torch: not importable",
+             f"{fla['name']} {fla['version']}" if fla else "fla-core: not installed"]
+    if f["flashqla"]:
+        parts.append(f"{f['flashqla']['name']} {f['flashqla']['version']}")
+    parts.append(f"GPU sm_{gpu['capability'][0]}{gpu['capability'][1]} {gpu['name']}" if gpu else
+                 f"no GPU seen ({f['notes'].get('gpu', '?')})")
+    return "stack: " + ", ".join(parts)
+
+
+def summary(data: dict[str, Any]) -> list[str]:
+    """The default report: the verdict, what to fix first, what apply() would apply and what it keeps out."""
+    from gdn_compat.patches import PATCHES
+
+    f, bad = data["facts"], _failing(data)
+    lines = [f"gdn_compat {data['gdn_compat']} doctor -- verdict: "
+             + ("OK" if not bad else f"{bad} problem(s) found: fix them first"), _stack_line(f)]
+    fix = _to_fix(data)
+    if fix:
+        lines.append("fix first:" if bad else "check:")
+        for item in fix:
+            lines.append(f"  [{item['severity']}] {item['code']}: {item['message']}")
+            if item["fix"]:
+                lines.append(f"      fix: {item['fix']}")
+    plan = data["patches"]
+    would = [p["name"] for p in plan if p["status"] in ("would_apply", "applied")]
+    if plan:
+        lines.append(f"apply() would apply: {', '.join(would) if would else 'nothing'}")
+    for reason, names in _kept_out(data).items():
+        lines.append(f"NOT applied, though this release needs it: {', '.join(names)}")
+        lines.append(f"      why: {reason}")
+    opt_in = {p.name for p in PATCHES if p.opt_in}
+    can = [p["name"] for p in plan if p["name"] in opt_in and "opt-in, off by default" in p["reason"]]
+    if can:
+        lines.append(f"opt-in, off: {', '.join(can)} (apply(NAME=True) or GDN_COMPAT_ENABLE=NAME turns one on)")
+    rest = len(plan) - len(would) - len(can) - sum(map(len, _kept_out(data).values()))
+    if plan:
+        lines.append(f"not needed or not available here: {rest} more (--verbose says why for each)")
+    if data["auto"]["variable"] is not None:
+        lines.append(f"GDN_COMPAT_AUTO: {_auto_line(data['auto'])}")
+    if f["gpu"] is None and f["megatron"]:
+        lines.append("no GPU seen: run it on a GPU node, in your workers' environment, for the GPU kernel rules")
+    lines.append("more: python -m gdn_compat --verbose (every probe, reason and note); --json (the same as data)")
+    return lines
+
+
+def render(data: dict[str, Any], verbose: bool = False) -> str:
+    """The text report: ``summary`` first; with ``verbose`` every probe, patch reason and finding after it."""
+    lines = summary(data)
+    if verbose:
+        lines += ["", *details(data)]
+    return "\n".join(lines)
+
+
+def details(data: dict[str, Any]) -> list[str]:
+    f = data["facts"]
+    mc, fla = f["megatron"] or {}, f["fla"] or {}
     v = f["fla_varlen"]
     lines = [
-        f"gdn_compat {data['gdn_compat']} doctor",
         "stack:",
-        f"  python {f['python']}   torch {f['torch']}   triton {f['triton']}   GPU "
-        + (f"sm_{gpu['capability'][0]}{gpu['capability'][1]} {gpu['name']}" if gpu else f["notes"].get("gpu", "?")),
+        f"  python {f['python']}   torch {f['torch']}   triton {f['triton']}",
         f"  megatron-core {mc.get('version', 'absent')}   {mc.get('path') or ''}",
         f"  fla {fla.get('name', 'absent')} {fla.get('version', '')}   {fla.get('path') or f['fla_error'] or ''}"
         + (f"   tilelang {f['tilelang']}" if f["tilelang"] else ""),
@@ -142,22 +245,26 @@ def render(data: dict[str, Any]) -> str:
         f"  GDN unpacked conv          {f['gdn_conv']}",
         f"  MTP _checkpointed_forward  {f['mtp']}",
         f"  MTP roll of a packed batch {f['mtp_roll']}",
-        f"  fla chunk_gated_delta_rule cu_seqlens={v['rule']} cu_seqlens_cpu={v['rule_cpu']}",
-        f"  fla causal_conv1d          cu_seqlens={v['conv']} cu_seqlens_cpu={v['conv_cpu']}",
-        f"  fla takes chunk indices    rule={v['rule_chunks']} rule fwd/bwd={v['rule_inner']} conv={v['conv_chunks']}"
-        + ("   (packed GDN can be captured in a CUDA graph)" if _graph_safe(v) else "   (no CUDA-graph capture of packed GDN)"),
+        f"  fla varlen (packed) kernels   delta rule cu_seqlens={v['rule']} (cu_seqlens_cpu={v['rule_cpu']}), "
+        f"conv cu_seqlens={v['conv']} (cu_seqlens_cpu={v['conv_cpu']})",
+        "  fla takes chunk indices built on the GPU (CUDA-graph capture of packed GDN): "
+        + ("yes" if _graph_safe(v) else f"no (delta rule {v['rule_chunks']}, its forward/backward {v['rule_inner']}, "
+                                        f"conv {v['conv_chunks']})"),
         f"  fla kernels atomic-free    {f['fla_atomic_free']}   {f['notes'].get('fla_atomic_free', '')}"
         + ("   (deterministic THD runs them)" if f["fla_atomic_free"] == "yes" else ""),
     ]
+    if f["gdn_thd"] == "native":  # only the release's own packed forward hands fla offsets with empty entries
+        lines.append(f"  fla chunk table right for zero-length offsets entries: {f['fla_zero_length']}"
+                     + ("   (the release's own forward computes garbage for such packs; gdn_thd_zero_length takes them)"
+                        if f["fla_zero_length"] == "no" else ""))
     lines += [
-        f"  fla chunk indices, empty   {f['fla_zero_length']}   (offsets with zero-length entries; no: wrong in "
-        f"0.18/0.19's own forward, gdn_thd_zero_length takes those calls)",
         f"  GDN_COMPAT_AUTO            {_auto_line(data['auto'])}",
         f"  FlashQLA (gdn_flashqla)    {data['flashqla']}",
         f"  fused kernels (gdn_fused)  {_fused_status(f)}",
         f"  fla routes to FlashQLA     {f['fla_flashqla_backend']}" + ("   (off: FLA_FLASH_QLA=0)" if f["fla_flashqla_off"] else ""),
     ]
-    lines += [f"  note {k}: {why}" for k, why in f["notes"].items() if k not in ("fla_atomic_free",)]
+    lines += [f"  note {k}: {why}" for k, why in f["notes"].items()
+              if k not in ("fla_atomic_free",) and (k != "fla_zero_length" or f["gdn_thd"] == "native")]
     lines.append("patches (what apply() would do):")
     for rec in data["patches"]:
         lines.append(f"  {'APPLY' if rec['status'] == 'would_apply' else 'skip '} {rec['name']:<21} {rec['target']}")
@@ -165,20 +272,21 @@ def render(data: dict[str, Any]) -> str:
     lines.append("findings:" if data["findings"] else "findings: none")
     for item in data["findings"]:
         lines.append(f"  [{item['severity']}] {item['code']}: {item['message']}"
-                     + (f" Fix: {item['fix']}" if item["fix"] else "") + (f" ({item['source']})" if item["source"] else ""))
-    bad = sum(1 for item in data["findings"] if item["severity"] in ("error", "danger"))
-    lines.append(f"verdict: {'OK' if not bad else f'{bad} problem(s) found'}")
-    return "\n".join(lines)
+                     + (f" Fix: {item['fix']}" if item["fix"] else "") + (f" ({item['source']})" if item["source"] else "")
+                     + (f" Taken away by {item['fixed_by']} where it applies." if item.get("fixed_by") else ""))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gdn_compat", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="after the verdict, every probe, every patch's reason and every finding")
     parser.add_argument("--key-head-dim", type=int, default=None,
                         help="your model's GDN key head dim (decides the fla #640 miscompile rule)")
     args = parser.parse_args(argv)  # argparse exits 2 on a bad argument, as EXIT_USAGE
     data = doctor(args.key_head_dim)
-    print(json.dumps(data, indent=2, default=str) if args.json else render(data))
+    print(json.dumps(data, indent=2, default=str) if args.json else render(data, verbose=args.verbose))
     return int(data["exit"])
 
 
