@@ -19,6 +19,7 @@ from gdn_compat import _probe
 from gdn_compat._probe import Accepts
 from gdn_compat.patches import gdn_thd_zero_length
 from gdn_compat.patches.gdn_thd import PACKS
+from gdn_compat.patches.gdn_thd.own import STANDS_FOR_FLA
 from gdn_compat.patches.gdn_thd.pack import device_pack, pack_for
 from tests.support.gdn import build_gdn, fla_on_cpu, offsets, packed, packed_run, rel
 from tests.support.release import FACTS, MEGATRON
@@ -110,6 +111,9 @@ def hole(megatron_cpu, monkeypatch):
                 calls["native"] += 1
                 return _rule(*args, **kwargs)
 
+            # still fla's rule, counted (as fla_on_cpu's stand-in says): any other rule would leave every layer to the
+            # release (gdn_compat/patches/gdn_thd/own.py)
+            setattr(counted, STANDS_FOR_FLA, True)
             monkeypatch.setattr(module, "chunk_gated_delta_rule", counted)
     PACKS.clear()
     yield calls

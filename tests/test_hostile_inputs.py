@@ -161,14 +161,15 @@ def test_gdn_fused_leaves_a_subclass_that_overrides_a_method_it_computes_to_the_
 @pytest.mark.skipif(FACTS.gdn_gate_method == "", reason="0.16/0.17 prepare q/k/v inline in the forward gdn_thd replaces")
 def test_a_route_leaves_a_subclass_that_overrides_what_it_computes_to_the_release(layer, caplog):
     # 0.18/0.19: gdn_compat's packed path prepares q/k/v itself; a layer that overrides that step keeps the release's
-    # forward, which refuses deterministic THD loudly rather than the override being ignored silently
+    # forward; in deterministic_mode, which that forward refuses for THD, a clear error names the override instead
     name = next(n for n in ("_prepare_input_for_gated_delta_rule", "_prepare_qkv_for_gated_delta_rule")
                 if hasattr(type(layer), n))
     original = getattr(type(layer), name)
     layer = _subclass(layer, **{name: lambda self, *a, **k: original(self, *a, **k)})
-    with caplog.at_level(logging.INFO, logger="gdn_compat"), gdn_compat.applied():
-        with pytest.raises(AssertionError, match="deterministic"):
+    with caplog.at_level(logging.INFO, logger="gdn_compat"), gdn_compat.applied(gdn_fused=True):
+        with pytest.raises(ValueError, match=f"deterministic_mode.*FrameworkGDN overrides {name}"):
             packed_run(layer, _x(6), packed(offsets(LENGTHS)))
+    # the gdn_fused route above the deterministic one said it leaves the layer to what is underneath
     assert f"overrides {name}" in caplog.text and "; the release's own forward runs that layer" in caplog.text
 
 

@@ -33,8 +33,12 @@ def decide(facts: Facts) -> str | None:
     return None
 
 
+REFUSAL = ("gdn_compat: packed sequences in deterministic_mode run gdn_compat's packed path (the release's own forward "
+           "refuses them), which cannot take this layer: {why}. Run it without deterministic_mode, or unpacked")
+
+
 def build(facts: Facts, original: Any) -> Any:
-    return route(facts, original, lambda layer: layer.config.deterministic_mode)
+    return route(facts, original, lambda layer: layer.config.deterministic_mode, must=REFUSAL)
 
 
 PATCH = Patch(

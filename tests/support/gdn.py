@@ -195,6 +195,8 @@ def fla_on_cpu(setattr_=setattr) -> None:
 
     import torch.nn.functional as F
 
+    from gdn_compat.patches.gdn_thd.own import STANDS_FOR_FLA
+
     modules = [m for n, m in list(sys.modules.items())
                if n.startswith("megatron.core.ssm.gated_delta_net") and hasattr(m, "chunk_gated_delta_rule")]
     rule = next(m.torch_chunk_gated_delta_rule for n, m in sys.modules.items()
@@ -219,6 +221,9 @@ def fla_on_cpu(setattr_=setattr) -> None:
                 for a, b in bounds(cu_seqlens, q.shape[1])]
         return torch.cat(outs, 1), None
 
+    # it computes fla's rule: gdn_compat's packed paths take a layer only while its rule is fla's (or the release's
+    # torch rule), and leave any other rule to the release (gdn_compat/patches/gdn_thd/own.py)
+    setattr(chunk_gated_delta_rule, STANDS_FOR_FLA, True)
     for m in modules:
         setattr_(m, "causal_conv1d", causal_conv1d)
         setattr_(m, "chunk_gated_delta_rule", chunk_gated_delta_rule)

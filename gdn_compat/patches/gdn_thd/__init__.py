@@ -181,8 +181,9 @@ def route(facts: Facts, original: Any, takes: Callable[[Any], bool], paths: Fast
     pack ``wants(layer, pack)`` selects), and ``original`` for every other call: the one wrapper behind gdn_compat's
     routes. ``original`` is the 0.18/0.19 native-THD forward (or a route over it), or on 0.16/0.17 gdn_thd's
     replacement (or a route over it); the wrapper has that release's signature. ``paths`` (and those of routes
-    underneath) choose the core's opt-in paths. A layer whose class overrides a release method this path computes
-    itself (``UNFUSED_OWN``) keeps ``original``, said once; where ``original`` would be wrong for the call (``must``,
+    underneath) choose the core's opt-in paths. A layer one of whose release methods this path computes itself
+    (``UNFUSED_OWN``) is not the release's own at this call (``own.py``: replaced on the release class, a subclass or
+    the layer, at any time) keeps ``original``, said once; where ``original`` would be wrong for the call (``must``,
     formatted with ``why``) that is an error instead."""
     below = fast_below(original)
     paths = paths | below
@@ -197,10 +198,8 @@ def route(facts: Facts, original: Any, takes: Callable[[Any], bool], paths: Fast
         pack = pack_of(self, hidden_states, packed_seq_params, cp)
         if wants is not None and not wants(self, pack):
             return release()
-        own = core.foreign(self, UNFUSED_OWN)
-        if own:
-            why = (f"{type(self).__module__}.{type(self).__qualname__} overrides {', '.join(own)}, which gdn_compat's "
-                   f"packed path computes itself")
+        why = core.replaced(self, UNFUSED_OWN, "gdn_compat's packed path")
+        if why is not None:
             if must:
                 raise ValueError(must.format(why=why))
             fast.note("gdn_compat's packed path", why, instead="the release's own forward runs that layer")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from gdn_compat._autograd import once_differentiable
 from gdn_compat._probe import Accepts, Varlen
 from gdn_compat.patches.gdn_thd import context_parallel as cpx
-from gdn_compat.patches.gdn_thd import fast
+from gdn_compat.patches.gdn_thd import fast, own
 from gdn_compat.patches.gdn_thd.fast import Fast
 from gdn_compat.patches.gdn_thd.pack import Pack
 
@@ -149,10 +149,12 @@ def local_view(layer: Any, cp: int, rank: int) -> Local:
 
 
 # Release methods gdn_compat's packed paths compute in their own code instead of calling (0.18/0.19 names; 0.16/0.17
-# compute these steps inline in the forward that gdn_thd replaces). A layer whose class overrides one (a framework's
-# subclass: another output-gate activation, a clamped decay) is not taken by a path that would ignore it (#41). The
-# unfused path calls the layer's _apply_gated_norm and _compute_g_and_beta, so it honours overrides of those two.
-UNFUSED_OWN = ("_prepare_qkv_for_gated_delta_rule", "_prepare_input_for_gated_delta_rule", "_gated_norm_and_a2a")
+# compute these steps inline in the forward that gdn_thd replaces), and the rule the layer calls (own.RULE). A layer
+# whose method is not the release's own (a framework's subclass or in-place replacement: another output-gate
+# activation, a clamped decay, another kernel) is not taken by a path that would ignore it (#41, #53). The unfused path
+# calls the layer's _apply_gated_norm and _compute_g_and_beta, so it honours replacements of those two.
+UNFUSED_OWN = ("_prepare_qkv_for_gated_delta_rule", "_prepare_input_for_gated_delta_rule", "_gated_norm_and_a2a",
+               "_resolve_cu_seqlens", own.RULE)
 FUSED_OWN = (*UNFUSED_OWN, "_apply_gated_norm", "_compute_g_and_beta", "_compute_gates")
 
 
@@ -168,26 +170,16 @@ class Core:
         self.varlen = varlen
         self.fla_deterministic = atomic_free is Accepts.YES
         self.fast = paths  # the opt-in paths (gdn_flashqla, gdn_fused) this core may take
-        self._foreign: dict[tuple[type, tuple[str, ...]], tuple[str, ...]] = {}
+        self.own = own.Own(release)
 
-    def foreign(self, layer: Any, names: tuple[str, ...]) -> tuple[str, ...]:
-        """Which of the release methods ``names`` ``layer`` takes from elsewhere than the release's GatedDeltaNet
-        class and its bases (a subclass's override, or an attribute set on the layer itself): a path that computes
-        those steps itself would silently ignore them. Per class, decided once; an instance attribute is looked
-        for on every call (a dict lookup)."""
-        cls = type(layer)
-        key = (cls, names)
-        if key not in self._foreign:
-            base = getattr(self.release, "GatedDeltaNet", None)
-            own = set(base.__mro__) if isinstance(base, type) else set()
-            found = []
-            for name in names:
-                owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
-                if owner is not None and owner not in own:
-                    found.append(f"{name} (from {owner.__module__}.{owner.__qualname__})")
-            self._foreign[key] = tuple(found)
-        mine = vars(layer)
-        return self._foreign[key] + tuple(f"{n} (set on the layer)" for n in names if n in mine)
+    def replaced(self, layer: Any, names: tuple[str, ...], what: str) -> str | None:
+        """None when the release methods ``names`` ``layer`` would call now are the release's own, else why ``what``
+        (a path that computes those steps itself) does not take the layer."""
+        found = self.own.replaced(layer, names)
+        if not found:
+            return None
+        return (f"{type(layer).__module__}.{type(layer).__qualname__} overrides {', '.join(found)}, which {what} "
+                f"computes itself")
 
     @staticmethod
     def gate(layer: Any, own: Any) -> Any:
@@ -237,6 +229,14 @@ class Core:
 
     def __call__(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int):
         """The unfused core: (delta-rule output, gate z) for the split input projection."""
+        why = self.replaced(layer, (own.RULE,), "gdn_compat's packed path")
+        if why is not None:  # 0.16/0.17: the module's rule replaced (0.18/0.19's routes leave such a layer to the release)
+            if layer.config.deterministic_mode:  # the torch core calls the module's torch rule, one sequence at a time
+                fast.note("gdn_compat's packed path", why, instead="it calls the layer's rule one sequence at a time")
+                return self.torch(layer, loc, qkv, gate, beta, alpha, pack)
+            fast.note("gdn_compat's packed path", why, instead="it calls the layer's rule over the pack with cu_seqlens "
+                                                               "(as 0.18's native THD calls it)")
+            return self.fla(layer, loc, qkv, gate, beta, alpha, pack, total, theirs=self.own.rule_of(layer))
         qla = self._flashqla(layer, loc, qkv, pack)
         if qkv.is_cuda and (self.fla_deterministic or not layer.config.deterministic_mode or qla is None):
             return self.fla(layer, loc, qkv, gate, beta, alpha, pack, total, qla is None)
@@ -248,7 +248,10 @@ class Core:
             fast.note("gdn_flashqla", str(why))
         return why
 
-    def fla(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int, flashqla: bool = False):
+    def fla(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, total: int, flashqla: bool = False,
+            theirs: Any = None):
+        """The core over the whole pack: fla's conv, then fla's rule, FlashQLA's (``flashqla``) or the layer's own
+        replacement of the release's rule (``theirs``)."""
         if layer.activation not in ("silu", "swish"):
             raise ValueError(f"gdn_compat THD: fla's causal_conv1d supports silu/swish, got activation "
                              f"{layer.activation!r}")
@@ -260,6 +263,10 @@ class Core:
             self.l2norm_home.l2norm,
         )
         g, beta = self.gate(layer, gb)(loc.A_log, loc.dt_bias, alpha, beta)
+        if theirs is not None:
+            out, _ = theirs(query, key, value, g=g, beta=beta, initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=False, cu_seqlens=pack.cu)
+            return out, gate
         rule = fast.flashqla_rule if flashqla else self.rule
         return rule(query, key, value, g, beta, pack), gate
 
@@ -269,10 +276,9 @@ class Core:
         why = fast.fused_skip(self.fast, layer, loc, x)
         if why is not None:
             return None, why
-        own = self.foreign(layer, FUSED_OWN)
-        if own:
-            return None, (f"{type(layer).__module__}.{type(layer).__qualname__} overrides {', '.join(own)}, which the "
-                          f"fused region computes itself")
+        why = self.replaced(layer, FUSED_OWN, "the fused region")
+        if why is not None:
+            return None, why
         from gdn_compat.fused import cores
 
         if self._flashqla(layer, loc, x, pack) is None:
