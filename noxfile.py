@@ -192,11 +192,14 @@ def ray(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
-def demo(session: nox.Session) -> None:
-    """Packed (THD) GDN forward/backward on megatron-core 0.17.1, on the CPU, through the shim."""
-    session.install(*TEST_DEPS, "megatron-core==0.17.1")
-    session.install("--no-deps", "-e", ".")
-    session.run("python", "-m", "examples.cpu_demo", env=CPU_ENV)
+@nox.parametrize("megatron_core", ["0.17.1", "0.19.2"], ids=["0.17.1", "0.19.2"])
+def demo(session: nox.Session, megatron_core: str) -> None:
+    """``python -m gdn_compat.demo`` as a user runs it: gdn_compat installed from the checkout as a package (not
+    editable), run from outside the checkout, on the CPU: one packed GDN step against per-sequence runs."""
+    session.install(TORCH, FLA, f"megatron-core=={megatron_core}")
+    session.install("--no-deps", "--reinstall", ".")
+    with session.chdir(session.create_tmp()):
+        session.run("python", "-m", "gdn_compat.demo", env=CPU_ENV)
 
 
 @nox.session(python=PYTHON)
