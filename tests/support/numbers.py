@@ -1,8 +1,9 @@
-"""The README's benchmark tables, rendered from ``benchmarks/results/*.json`` (stdlib only).
+"""The benchmark tables of the README and docs/results.md, rendered from ``benchmarks/results/*.json`` (stdlib only).
 
-``nox -s numbers`` writes them between their markers; ``tests/test_numbers.py`` fails when a table in the README no
-longer is what its results file renders to (a number typed by hand, or a results file replaced without the table).
-Each table names the file it comes from.
+``nox -s numbers`` writes each between its markers in its home file (``HOME``); ``tests/test_numbers.py`` fails when
+a table no longer is what its results file renders to (a number typed by hand, or a results file replaced without the
+table). Each table names the file it comes from. The README holds two small ones (what packing and the fast paths
+buy); the detail lives in docs/results.md.
 """
 
 from __future__ import annotations
@@ -146,8 +147,44 @@ def long_rows(name: str = "h200-long-0.19.2.json") -> str:
     return "\n".join(rows) + "\n\n" + _source(name)
 
 
+def cost_layer() -> str:
+    """The README's one-layer table: 0.17.1 padded (what its users do without gdn_compat), packed with gdn_thd, and
+    native 0.19.2 packed; the speedup of packing over padding."""
+    rows = {v: _load(f"h200-megatron-core-{v}.json")["rows"] for v in ("0.17.1", "0.19.2")}
+    padded, packed, native = (rows["0.17.1"]["padded BSHD"]["ms"], rows["0.17.1"]["THD shim (applied)"]["ms"],
+                              rows["0.19.2"]["THD native"]["ms"])
+    return "\n".join([
+        "| one GDN layer, 16k tokens in 9 sequences, forward + backward | ms (`h200-megatron-core-*.json`) |",
+        "|---|---|",
+        f"| megatron-core 0.17.1 alone: padded to the longest sequence | {padded:.2f} |",
+        f"| 0.17.1 + `gdn_thd`: packed | **{packed:.2f}** ({padded / packed:.1f}x faster) |",
+        f"| native 0.19.2: packed | {native:.2f} |"])
+
+
+def cost_train() -> str:
+    """The README's training table: tokens per second of gdn_thd and of both fast paths against native 0.19.2, and
+    whether each trains the same (benchmarks/plot_train.py's verdict)."""
+    from benchmarks import plot_train
+
+    runs = plot_train.load()
+    _, verdict = plot_train.verdicts(runs)
+    native = runs["0.19.2 native"]["median_step_ms"]
+    rows = ["| 8-layer GDN model, 300 steps of 16k packed tokens | tokens/s (`h200-train-*.json`) | trains the same as "
+            "native 0.19.2 |", "|---|---|---|"]
+    for key, label in (("0.19.2 native", "native 0.19.2"), ("0.17.1 default", "0.17.1 + `gdn_thd`"),
+                       ("0.17.1 both", "0.17.1 + `gdn_thd`, `gdn_fused`, `gdn_flashqla`")):
+        r, v = runs[key], verdict.get(key)
+        same = "–" if key == "0.19.2 native" else ("yes" if v["same"] else "**no**") + (
+            ", bitwise" if v["gap"] == 0 else f" (largest gap {v['gap']:.2f}, within the seed spread)" if v["same"] else "")
+        rows.append(f"| {label} | {r['tokens_per_s']:,} ({native / r['median_step_ms']:.2f}x) | {same} |")
+    return "\n".join(rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {"fast-layer": fast_layer, "fast-stack": fast_stack, "thd-modes": thd_modes,
-                                        "train": train, "long": long_rows}
+                                        "train": train, "long": long_rows, "cost-layer": cost_layer,
+                                        "cost-train": cost_train}
+# The file each table lives in (relative to the repository root).
+HOME = {name: "docs/results.md" for name in TABLES} | {"cost-layer": "README.md", "cost-train": "README.md"}
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -164,8 +201,8 @@ def blocks(text: str) -> dict[str, str]:
     return found
 
 
-def update(path: pathlib.Path = ROOT / "README.md") -> list[str]:
-    """Render every table into ``path`` between its markers; returns the names written."""
+def update(path: pathlib.Path) -> list[str]:
+    """Render every table whose markers ``path`` holds, between them; returns the names written."""
     text = path.read_text()
     for name, render in TABLES.items():
         start, end = markers(name)
@@ -176,4 +213,5 @@ def update(path: pathlib.Path = ROOT / "README.md") -> list[str]:
 
 
 if __name__ == "__main__":
-    print("rendered:", ", ".join(update()))
+    for home in sorted(set(HOME.values())):
+        print(f"{home}: rendered", ", ".join(update(ROOT / home)))
