@@ -124,6 +124,8 @@ def _compare(layer: Any, device: str) -> tuple[dict[str, float], list[str]]:
     x = torch.randn(offsets[-1], 1, 64, device=device, requires_grad=True)
     out, _ = layer(x, None, packed_seq_params=psp)
     out.square().sum().backward()
+    dx = x.grad
+    assert dx is not None
     packed = {n: p.grad.clone() for n, p in layer.named_parameters()}
     layer.zero_grad()
     worst = {"output": 0.0, "input grad": 0.0}
@@ -132,7 +134,7 @@ def _compare(layer: Any, device: str) -> tuple[dict[str, float], list[str]]:
         xi = x[a:b].detach().clone().requires_grad_(True)
         oi, _ = layer(xi, None)  # the release's own unpacked forward, this sequence alone
         oi.square().sum().backward()  # parameter gradients add up over the sequences
-        d_out, d_dx = _rel(out[a:b].detach(), oi.detach()), _rel(x.grad[a:b], xi.grad)
+        d_out, d_dx = _rel(out[a:b].detach(), oi.detach()), _rel(dx[a:b], xi.grad)
         worst["output"], worst["input grad"] = max(worst["output"], d_out), max(worst["input grad"], d_dx)
         lines.append(f"  sequence {i}: {b - a:>3} tokens   output {d_out:.1e}   input grad {d_dx:.1e}")
     worst["parameter grads"] = max(_rel(packed[n], p.grad) for n, p in layer.named_parameters())
