@@ -10,9 +10,10 @@ import warnings
 import pytest
 
 from gdn_compat import __main__ as doctor
-from gdn_compat._probe import Accepts, Layout, Varlen
+from gdn_compat._probe import Layout
 from gdn_compat.hazards import Finding
 from tests.support.release import FACTS
+from tests.test_prerequisites import without_fla
 
 LIMIT = 25
 
@@ -38,8 +39,7 @@ def test_the_default_text_is_short_and_says_the_verdict_first(data):
 
 
 def _without_fla(data):
-    facts = dataclasses.replace(FACTS, fla=None, fla_varlen=Varlen(), fla_atomic_free=Accepts.ABSENT,
-                                fla_zero_length=Accepts.ABSENT, gdn_legacy_shape=False)
+    facts = without_fla()
     import gdn_compat
     from gdn_compat import hazards
 

@@ -76,6 +76,13 @@ def needs_fla() -> set[str]:
             *per_sequence}
 
 
+def without_fla():
+    """This release's facts as the probe finds them without fla (checked in a fresh process below): no fla-core, no
+    varlen entry points, and on 0.16/0.17 a GDN module without fla's l2norm, so not the exact 0.16/0.17 shape."""
+    return dataclasses.replace(FACTS, fla=None, fla_varlen=Varlen(), fla_atomic_free=Accepts.ABSENT,
+                               fla_zero_length=Accepts.ABSENT, gdn_legacy_shape=False)
+
+
 def _says_fla_and_fix(reason: str) -> bool:
     return "fla-core is not installed" in reason and FLA_FIX in reason
 
@@ -83,9 +90,7 @@ def _says_fla_and_fix(reason: str) -> bool:
 @needs_gdn
 def test_without_fla_each_patch_that_needs_it_names_fla_and_the_fix():
     """The decisions on facts without fla (what the probe finds then, checked in a fresh process below)."""
-    without = dataclasses.replace(FACTS, fla=None, fla_varlen=Varlen(), fla_atomic_free=Accepts.ABSENT,
-                                  fla_zero_length=Accepts.ABSENT, gdn_legacy_shape=False)
-    plan = {r.name: r for r in gdn_compat.plan(without, **OPT_IN)}
+    plan = {r.name: r for r in gdn_compat.plan(without_fla(), **OPT_IN)}
     base = {r.name: r for r in gdn_compat.plan(FACTS, **OPT_IN)}
     wrong = {n: plan[n].reason for n in needs_fla() if not _says_fla_and_fix(plan[n].reason)}
     assert wrong == {}, wrong

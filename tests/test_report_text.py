@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
 
 import gdn_compat
-from gdn_compat._probe import FLA_FIX, Accepts, Layout, Varlen
+from gdn_compat._probe import FLA_FIX, Layout
 from gdn_compat.hazards import Finding
 from gdn_compat.patches import PATCHES
 from tests.support.release import FACTS
-from tests.test_prerequisites import needs_fla
+from tests.test_prerequisites import needs_fla, without_fla
 
 
 def test_printing_the_report_says_what_was_applied_in_its_first_line():
@@ -29,9 +28,8 @@ def test_printing_the_report_says_what_was_applied_in_its_first_line():
 
 @pytest.mark.skipif(FACTS.gdn not in (Layout.MODULE, Layout.PACKAGE), reason="no GatedDeltaNet: fla changes nothing")
 def test_a_patch_kept_out_by_a_missing_fla_is_named_in_the_summary_and_its_fix_printed(monkeypatch, caplog):
-    without = dataclasses.replace(FACTS, fla=None, fla_varlen=Varlen(), fla_atomic_free=Accepts.ABSENT,
-                                  fla_zero_length=Accepts.ABSENT, gdn_legacy_shape=False)
-    monkeypatch.setattr(gdn_compat, "probe", lambda **_: without)
+    facts = without_fla()
+    monkeypatch.setattr(gdn_compat, "probe", lambda **_: facts)
     needed = {r.name for r in gdn_compat.plan(FACTS) if r.status == "would_apply"}
     with caplog.at_level(logging.INFO, logger="gdn_compat"), gdn_compat.applied() as report:
         text = str(report)
