@@ -7,11 +7,14 @@ started, is byte-identical in this release (``package_info.py`` compared without
 the only lines in which those files differ between patch releases), every gdn_compat and test file it
 imported is byte-identical too, and the same distributions are installed at the same versions. A release
 whose imported files differ in one byte, or whose venv holds another version of any package, runs everything. nox hands each session a fresh records folder per run
-(``GDN_COMPAT_SUITE_RECORDS``), so a record never outlives the code that earned it. Stdlib only.
+(``GDN_COMPAT_SUITE_RECORDS``), so a record never outlives the code that earned it. nox runs each minor's newest
+patch release first (#55): the newest runs the heavy suites, an older patch release only where its files differ from
+every release that ran them before it. Stdlib only.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -37,6 +40,22 @@ def _root() -> pathlib.Path | None:
     return pathlib.Path(list(spec.submodule_search_locations)[0]).parent
 
 
+def release() -> str | None:
+    """The megatron-core version its ``package_info.py`` states (as ``tests.support.release.MEGATRON`` reads it),
+    read from the file: the pytest-xdist controller names records without importing megatron-core (~6 s)."""
+    root = _root()
+    info = root / "megatron" / "core" / "package_info.py" if root else None
+    if info is None or not info.is_file():
+        return None
+    fields = dict(re.findall(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", info.read_text(), re.M))
+    try:
+        major, minor, patch = (ast.literal_eval(fields[k]) for k in ("MAJOR", "MINOR", "PATCH"))
+        pre = ast.literal_eval(fields.get("PRE_RELEASE", "''"))
+    except (KeyError, ValueError, SyntaxError):
+        return None
+    return f"{major}.{minor}.{patch}{pre}"
+
+
 def digest(path: pathlib.Path) -> str:
     data = path.read_bytes()
     if path.name == "package_info.py":
@@ -49,11 +68,16 @@ def _project() -> pathlib.Path:
 
 
 def _dists() -> dict[str, str]:
-    """Every installed distribution but megatron-core (which differs between sessions by design): name -> version."""
+    """Every distribution installed in this environment but megatron-core (which differs between sessions by design):
+    name -> version. Read from site-packages, not ``sys.path``: importing torch's cpp_extension (setuptools) puts
+    setuptools' vendored packages on the path (an older ``packaging`` among them), and a session's processes need not
+    have imported the same modules when they compare."""
     import importlib.metadata as md
+    import sysconfig
 
     out = {}
-    for dist in md.distributions():
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    for dist in md.distributions(path=paths):
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
         if name and name != "megatron-core":
             out[name] = dist.version
