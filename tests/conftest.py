@@ -1,44 +1,100 @@
-"""Shared fixtures: megatron-core on this machine (CPU stand-ins and gloo, or a GPU), undone at the end."""
+"""Shared fixtures: megatron-core on this machine (CPU stand-ins and gloo, or a GPU), undone at the end.
+
+Which release runs what (#55): every release session runs the light tests; the suites marked ``heavy`` run once per
+distinct megatron-core source in one nox run (tests/support/suite_records.py; nox runs each minor's newest patch
+release first); the tests marked ``interpreted_fused`` (gdn_compat's Triton kernels in Triton's interpreter) run on one
+release per GDN generation, and those marked ``auto_fresh`` (GDN_COMPAT_AUTO's fresh interpreters) in one release
+session and in the ``ray`` session (``ONLY_ON``). A megatron source tree (``nox -s source``) and a venv without
+megatron-core run everything.
+"""
 
 from __future__ import annotations
 
 import os
 import pathlib
 
-# Without a GPU, gdn_compat's fused Triton kernels run in Triton's interpreter on CPU tensors; the switch is
-# read when a kernel is defined, so it is set before anything imports Triton (fla, megatron, gdn_compat).
-if "TRITON_INTERPRET" not in os.environ:
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 
 from tests.support import suite_records
-from tests.support.release import MEGATRON
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# marker: (the releases that run it, why only those)
+ONLY_ON = {
+    "interpreted_fused": (("0.17.1", "0.19.2"), "gdn_compat's Triton kernels in Triton's interpreter run on one release "
+                                                "per GDN generation: 0.17.1 (gdn_thd's packed path) and 0.19.2 (the "
+                                                "native THD routes)"),
+    "auto_fresh": (("0.19.2",), "GDN_COMPAT_AUTO's fresh interpreters run in one release session (0.19.2) and in the "
+                                "ray session (GDN_COMPAT_INSTALL_TESTS=1)"),
+}
 
+
+def _interpreter() -> None:
+    """Without a GPU, gdn_compat's fused Triton kernels run in Triton's interpreter on CPU tensors; the switch is
+    read when a kernel is defined, so it is set before anything imports Triton (fla, megatron, gdn_compat)."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own configure: it registers "dsession" in the controller
 def pytest_configure(config):
     config.addinivalue_line("markers", "heavy: a suite run once per distinct megatron-core source in one nox run "
                                        "(tests/support/suite_records.py)")
+    for name, (releases, why) in ONLY_ON.items():
+        config.addinivalue_line("markers", f"{name}: runs on megatron-core {', '.join(releases)} only ({why})")
     worker = hasattr(config, "workerinput")  # a pytest-xdist worker: the controller owns the records
+    controller = config.pluginmanager.getplugin("dsession") is not None  # runs no test: imports neither torch
+    if not controller:  # nor megatron-core (~6 s a session)
+        _interpreter()
     out = suite_records.folder()
     for stale in (out / "imports").glob("*.json") if out and not worker else ():
         stale.unlink()  # an earlier session that failed before writing its record
-    config.stash[_SAME] = suite_records.earlier_identical(MEGATRON) if MEGATRON else None
+    release = _release(controller)
+    config.stash[_RELEASE] = release
+    config.stash[_SAME] = suite_records.earlier_identical(release) if release else None
+
+
+def _release(controller: bool) -> str | None:
+    if controller:  # package_info.py's version lines, read from the file
+        return suite_records.release()
+    from tests.support.release import MEGATRON
+
+    return MEGATRON
+
+
+def _only_here(marker: str, release: str | None) -> str | None:
+    """Why a test with ``marker`` is skipped in this session (None: it runs)."""
+    releases, why = ONLY_ON[marker]
+    if release is None or release in releases:
+        return None
+    if marker == "interpreted_fused" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None  # on a GPU the kernels are compiled, not interpreted
+    if marker == "auto_fresh" and os.environ.get("GDN_COMPAT_INSTALL_TESTS") == "1":
+        return None
+    from tests.support.release import FACTS
+
+    if "megatron" in FACTS.notes:  # a source tree ahead of the installed release (nox -s source): everything runs
+        return None
+    return f"{why}; this is {release}"
 
 
 def pytest_collection_modifyitems(config, items):
+    for marker in ONLY_ON:
+        marked = any(item.get_closest_marker(marker) for item in items)
+        reason = _only_here(marker, config.stash[_RELEASE]) if marked else None
+        for item in items if reason else ():
+            if item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=reason))
     same = config.stash[_SAME]
     if same is None:
         return
     release, files = same
     skip = pytest.mark.skip(reason=f"heavy suite: the {files} megatron-core files it imported under {release} (every "
                                    f"process, package_info.py without its version lines) are byte-identical in "
-                                   f"{MEGATRON}; {release} ran it in this nox run")
+                                   f"{config.stash[_RELEASE]}; {release} ran it in this nox run")
     for item in items:
         if item.get_closest_marker("heavy"):
             item.add_marker(skip)
@@ -47,7 +103,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionfinish(session, exitstatus):
     """A whole session that ran the heavy suite and passed leaves its record for the releases after it."""
     config = session.config
-    if not suite_records.folder() or not MEGATRON:
+    release = config.stash.get(_RELEASE, None)
+    if not suite_records.folder() or not release:
         return
     if hasattr(config, "workerinput"):  # an xdist worker: its imports count, the controller writes
         suite_records.log_imports()
@@ -55,15 +112,18 @@ def pytest_sessionfinish(session, exitstatus):
     whole = not (config.option.keyword or config.option.markexpr or getattr(config.option, "deselect", None)) \
         and all(pathlib.Path(a).resolve() == ROOT / "tests" for a in config.args)
     if whole and exitstatus == 0 and config.stash[_SAME] is None:
-        suite_records.write_record(MEGATRON)
+        suite_records.write_record(release)
 
 
 _SAME = pytest.StashKey[tuple | None]()
+_RELEASE = pytest.StashKey[str | None]()
 
 
 @pytest.fixture(scope="session")
 def megatron_cpu():
     """megatron-core ready on this machine: "cuda" on a GPU machine, else "cpu" (see tests.support.megatron)."""
+    from tests.support.release import MEGATRON
+
     if MEGATRON is None:
         pytest.skip("megatron-core is not installed")
     import torch
