@@ -107,6 +107,7 @@ def test_no_context_where_the_installed_flashqla_has_no_intra_card_cp(monkeypatc
 
 
 @pytest.mark.skipif(interpreted_or_cuda() is not None, reason=str(interpreted_or_cuda()))
+@pytest.mark.interpreted_fused
 def test_the_fused_region_hands_flashqla_one_context_for_forward_and_backward():
     """FlashQLA's forward and backward must agree on the split: the region's core gives both the same context."""
     from gdn_compat.fused.cores import FlashQlaCore

@@ -57,6 +57,7 @@ def test_on_the_cpu_a_packed_call_keeps_fla_and_says_why(installed, megatron_cpu
 
 
 @pytest.mark.skipif(interpreted_or_cuda() is not None, reason=str(interpreted_or_cuda()))
+@pytest.mark.interpreted_fused
 def test_the_region_hands_flashqla_unrepeated_qk_and_long_offsets_and_matches_the_reference():
     from gdn_compat.fused import reference
     from gdn_compat.fused.cores import FlashQlaCore

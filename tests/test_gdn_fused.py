@@ -23,6 +23,7 @@ pytestmark = [
                        reason=str(skip_reason("gdn_fused", gdn_fused=True))),
     pytest.mark.skipif(interpreted_or_cuda() is not None, reason=str(interpreted_or_cuda())),
     pytest.mark.heavy,  # about a minute in Triton's interpreter: once per distinct source
+    pytest.mark.interpreted_fused,  # on one release per GDN generation (tests/conftest.py)
     pytest.mark.usefixtures("fresh_fallback_notes"),
 ]
 

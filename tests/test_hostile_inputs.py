@@ -37,6 +37,8 @@ pytestmark = [
 ]
 
 LENGTHS = [3, 0, 70, 1, 0]  # a zero-length entry inside and at the end, a chunk edge, a length-1 document
+# the cases that run gdn_fused's kernels (in Triton's interpreter on the CPU: 0.17.1 and 0.19.2, tests/conftest.py)
+kernels = pytest.mark.interpreted_fused
 
 
 @pytest.fixture
@@ -56,8 +58,8 @@ def _x(seed: int, dtype=torch.float32) -> torch.Tensor:
 
 @pytest.mark.parametrize("switches, same_object, cu", [
     ({}, True, offsets(LENGTHS)),
-    ({"gdn_fused": True}, True, offsets(LENGTHS)),
-    ({"gdn_fused": True}, False, offsets([3, 70, 1])),
+    pytest.param({"gdn_fused": True}, True, offsets(LENGTHS), marks=kernels),
+    pytest.param({"gdn_fused": True}, False, offsets([3, 70, 1]), marks=kernels),
 ], ids=["default-same-params-empty-entries", "gdn_fused-same-params-empty-entries", "gdn_fused-new-params-no-empties"])
 def test_a_pack_made_under_inference_mode_never_reaches_a_training_step(layer, switches, same_object, cu):
     x = _x(1)[: cu[-1]]
@@ -74,6 +76,7 @@ def test_a_pack_made_under_inference_mode_never_reaches_a_training_step(layer, s
     assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
 
 
+@kernels
 def test_an_evaluation_under_inference_mode_after_training_gets_inference_free_results(layer):
     x, psp = _x(2), packed(offsets(LENGTHS))
     with gdn_compat.applied(gdn_fused=True):
@@ -101,6 +104,7 @@ def test_eps_none_resolves_as_torch_rmsnorm_does_for_the_input_dtype(dtype):
     assert norm_eps(1e-5, dtype) == 1e-5
 
 
+@kernels
 def test_the_fused_norm_takes_an_out_norm_with_eps_none_as_the_module_computes_it(layer):
     layer.to(torch.bfloat16)
     norm = torch.nn.RMSNorm(layer.value_head_dim, dtype=torch.bfloat16)  # eps=None
@@ -176,6 +180,7 @@ def test_a_route_leaves_a_subclass_that_overrides_what_it_computes_to_the_releas
 # 4. double backward ------------------------------------------------------------------------------------------------
 
 
+@kernels
 def test_a_gradient_penalty_through_the_fused_region_is_an_error_naming_gdn_compat(layer):
     x = _x(7).requires_grad_(True)
     with gdn_compat.applied(gdn_fused=True):
@@ -185,6 +190,7 @@ def test_a_gradient_penalty_through_the_fused_region_is_an_error_naming_gdn_comp
             dx.square().sum().backward()
 
 
+@kernels
 def test_a_first_order_backward_with_create_graph_still_gives_the_plain_gradients(layer):
     x = _x(8)
     with gdn_compat.applied(gdn_fused=True):
@@ -199,6 +205,7 @@ def test_a_first_order_backward_with_create_graph_still_gives_the_plain_gradient
 # inputs that held: kept held --------------------------------------------------------------------------------------
 
 
+@kernels
 @pytest.mark.parametrize("case", ["int64-offsets", "non-contiguous-input", "no-grad", "padded-pack"])
 def test_inputs_that_held_still_equal_the_unfused_path(layer, case):
     cu = offsets(LENGTHS)
