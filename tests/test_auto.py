@@ -24,12 +24,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PTH_LINE = (ROOT / "gdn_compat_auto.pth").read_text().strip()
 
 
+# GDN_COMPAT_AUTO's fresh interpreters: in one release session (0.19.2) and in the ray session (tests/conftest.py)
+fresh_interpreters = pytest.mark.auto_fresh
+
+
 def _env(**kw) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "GDN_COMPAT_AUTO"}
     env.update({k: v for k, v in kw.items() if v is not None})
     return env
 
 
+@fresh_interpreters
 def test_the_pth_line_imports_nothing_and_hooks_nothing_when_unset_or_off():
     code = PTH_LINE + "\nimport sys\nprint('_gdn_compat_auto' in sys.modules, len(sys.meta_path))"
     run = lambda **kw: subprocess.run([sys.executable, "-S", "-c", code], env=_env(**kw), cwd=ROOT,  # noqa: E731
@@ -41,6 +46,7 @@ def test_the_pth_line_imports_nothing_and_hooks_nothing_when_unset_or_off():
     assert on[0] == "True" and int(on[1]) == int(unset[1]) + 1  # one finder, at the front of sys.meta_path
 
 
+@fresh_interpreters
 def test_an_unknown_value_warns_once_per_process_however_often_it_is_read():
     code = ("import logging, sys\nlogging.basicConfig(stream=sys.stderr)\nimport _gdn_compat_auto\n"
             "for value in ('2', '00'):\n    assert not _gdn_compat_auto.requested()\n"
@@ -83,20 +89,22 @@ EXPLICIT = {  # explicit code wins over the environment (#40)
     "hook-then-explicit": HOOK + LOG + f"import megatron.core\nimport gdn_compat\ngdn_compat.apply({SWITCHED}=False)"
                           + REPORT,
     "log-variable": HOOK + "import megatron.core" + REPORT,  # GDN_COMPAT_LOG=info, no logging set up by the script
-    # gdn_compat.auto() while another thread is still importing megatron.core (its __init__ slowed down by 1.5 s)
+    # gdn_compat.auto() while another thread is still importing megatron.core: its __init__ starts only once auto()
+    # returned (two events, no sleeps; the 60 s are a bound for a broken run, never waited out by a passing one)
     "thread": HOOK.replace("_gdn_compat_auto.install('a test', 'gdn_compat:_apply_from_hook')\n", "") + LOG + (
-        "import importlib.machinery, threading, time\n"
-        "class Slow:\n"
+        "import importlib.machinery, threading\n"
+        "started, go = threading.Event(), threading.Event()\n"
+        "class Held:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name != 'megatron.core':\n            return None\n"
         "        spec = importlib.machinery.PathFinder.find_spec(name, path)\n"
         "        inner = spec.loader.exec_module\n"
-        "        spec.loader.exec_module = lambda m: (time.sleep(1.5), inner(m))\n"
+        "        spec.loader.exec_module = lambda m: (started.set(), go.wait(60), inner(m))\n"
         "        return spec\n"
-        "sys.meta_path.insert(0, Slow())\n"
-        "t = threading.Thread(target=lambda: __import__('megatron.core'))\nt.start()\ntime.sleep(0.5)\n"
+        "sys.meta_path.insert(0, Held())\n"
+        "t = threading.Thread(target=lambda: __import__('megatron.core'))\nt.start()\nassert started.wait(60)\n"
         "assert 'megatron.core' in sys.modules and sys.modules['megatron.core'].__spec__._initializing\n"
-        "import gdn_compat\ngdn_compat.auto()\nt.join()\n"
+        "import gdn_compat\ngdn_compat.auto()\ngo.set()\nt.join()\n"
         "[h.join() for h in threading.enumerate() if h.name == 'gdn_compat-auto']" + REPORT),
 }
 
@@ -127,6 +135,7 @@ def _needed() -> set[str]:
 
 
 @pytest.mark.heavy
+@fresh_interpreters
 def test_the_hook_applies_once_megatron_core_has_been_imported(fresh):
     code, out, err = fresh["hooked"]
     assert code == 0, err[-3000:]
@@ -136,6 +145,7 @@ def test_the_hook_applies_once_megatron_core_has_been_imported(fresh):
 
 
 @pytest.mark.heavy
+@fresh_interpreters
 def test_a_hook_installed_after_megatron_core_applies_at_once_and_says_so(fresh):
     code, out, err = fresh["late"]
     assert code == 0, err[-3000:]
@@ -144,6 +154,7 @@ def test_a_hook_installed_after_megatron_core_applies_at_once_and_says_so(fresh)
 
 
 @pytest.mark.heavy
+@fresh_interpreters
 def test_the_doctor_shows_the_release_as_it_is_with_the_variable_set(fresh):
     code, out, err = fresh["doctor"]
     data = json.loads(out[out.index("{"):])
@@ -165,12 +176,14 @@ def _applied(run) -> set[str]:
 
 @explicit
 @pytest.mark.heavy
+@fresh_interpreters
 def test_an_apply_with_switches_before_megatron_is_imported_decides_not_the_variable(fresh):
     assert _applied(fresh["explicit-first"]) == _needed() - {SWITCHED}
 
 
 @explicit
 @pytest.mark.heavy
+@fresh_interpreters
 def test_an_apply_with_switches_after_the_hook_applied_replaces_what_the_hook_did(fresh):
     assert _applied(fresh["hook-then-explicit"]) == _needed() - {SWITCHED}
     assert f"gdn_compat.apply({SWITCHED}=False) decides over GDN_COMPAT_AUTO" in fresh["hook-then-explicit"][2]
@@ -178,6 +191,7 @@ def test_an_apply_with_switches_after_the_hook_applied_replaces_what_the_hook_di
 
 @explicit
 @pytest.mark.heavy
+@fresh_interpreters
 def test_plan_never_applies_and_says_the_variable_defers_to_it(fresh):
     assert _applied(fresh["plan-only"]) == set()
     assert "the variable defers to the process's own calls, so nothing is applied" in fresh["plan-only"][2]
@@ -185,6 +199,7 @@ def test_plan_never_applies_and_says_the_variable_defers_to_it(fresh):
 
 @explicit
 @pytest.mark.heavy
+@fresh_interpreters
 def test_the_log_variable_shows_one_summary_line_without_code(fresh):
     code, out, err = fresh["log-variable"]
     assert _applied(fresh["log-variable"]) == _needed()
@@ -197,6 +212,7 @@ def test_the_log_variable_shows_one_summary_line_without_code(fresh):
 
 @explicit
 @pytest.mark.heavy
+@fresh_interpreters
 def test_auto_while_another_thread_imports_megatron_applies_once_that_import_is_done(fresh):
     assert _applied(fresh["thread"]) == _needed()
     assert "megatron-core was still being imported when gdn_compat's hook was installed" in fresh["thread"][2]
