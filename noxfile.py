@@ -32,6 +32,9 @@ from tests.support import compat_table  # noqa: E402  (stdlib only)
 
 RELEASES = ["0.15.3", "0.16.0", "0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.18.2",
             "0.19.0", "0.19.1", "0.19.2"]
+# The release sessions run each minor's newest patch release first: it runs the heavy suites, and an older patch
+# release skips them where every file they imported is byte-identical to one that ran them (tests/support/suite_records.py)
+NEWEST_FIRST = sorted(RELEASES, key=lambda v: (tuple(map(int, v.split(".")[:2])), -int(v.split(".")[2])))
 # Test-only stack, pinned so uv's cache serves every session the same ~3 GB torch wheel.
 # fla-core 0.6.0 imports with this torch's Triton (0.4.x does not); CPU tests never run its kernels.
 TORCH = "torch==2.15.0"
@@ -40,11 +43,6 @@ TEST_DEPS = [TORCH, FLA, "pytest>=8", "pytest-xdist>=3", "numpy"]
 # pytest-xdist: one worker per core (at most 4), each test file whole in one worker (a file's module fixtures, e.g.
 # the acceptance matrix, are computed once); measured 895 s -> 492 s for the 0.19.2 session on the 2-core machine
 WORKERS = ["-n", str(min(4, os.cpu_count() or 1)), "--dist", "loadfile"]
-
-# megatron-core 0.15.x compiles a CUDA extension when megatron.core is imported; on a machine
-# without a GPU torch's arch detection then raises IndexError (which 0.15.x does not catch) unless
-# the arch list is given. The compile then fails cleanly and megatron carries on without it.
-CPU_ENV = {"PYTHONWARNINGS": "ignore", "TORCH_CUDA_ARCH_LIST": "9.0"}
 
 
 def _python312() -> str:
@@ -58,6 +56,18 @@ def _python312() -> str:
 PYTHON = _python312()
 # Records of which heavy suites ran on which megatron-core files, for this nox run only (tests/support/suite_records.py)
 RECORDS = tempfile.mkdtemp(prefix="gdn-compat-suites-")
+# Python writes bytecode in each venv as usual (a machine-wide PYTHONDONTWRITEBYTECODE=1 made every interpreter a
+# session starts, workers, ranks and fresh processes alike, compile torch's and megatron-core's ~3,000 modules again:
+# ~8 of its ~14 CPU seconds to import them)
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# One torch.compile (inductor) cache for the sessions of this nox run: nox points TMPDIR into each venv, where
+# inductor keeps its cache by default, so every session compiled the same CPU kernels again (~9 s a compiled test)
+INDUCTOR = tempfile.mkdtemp(prefix="gdn-compat-inductor-")
+
+# megatron-core 0.15.x compiles a CUDA extension when megatron.core is imported; on a machine
+# without a GPU torch's arch detection then raises IndexError (which 0.15.x does not catch) unless
+# the arch list is given. The compile then fails cleanly and megatron carries on without it.
+CPU_ENV = {"PYTHONWARNINGS": "ignore", "TORCH_CUDA_ARCH_LIST": "9.0", "TORCHINDUCTOR_CACHE_DIR": INDUCTOR}
 
 # CI compiles with the oldest Triton, the oldest whose interpreter runs the kernels, and the newest (the whole matrix,
 # all 8, is `nox -s triton_compile`: every one compiled every kernel on 2026-12-02), to keep the command's time
@@ -67,10 +77,13 @@ nox.options.sessions = ["tests", "hf_parity", "triton_compile(3.3.1)", "triton_c
 TRANSFORMERS = "transformers==5.23.0"
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
+# every session's result and duration in seconds (the per-session table of docs/tests.md); --report FILE overrides
+os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox"), exist_ok=True)
+nox.options.report = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox", "report.json")
 
 
 @nox.session(python=PYTHON)
-@nox.parametrize("megatron_core", RELEASES, ids=RELEASES)
+@nox.parametrize("megatron_core", NEWEST_FIRST, ids=NEWEST_FIRST)
 def tests(session: nox.Session, megatron_core: str) -> None:
     session.install(*TEST_DEPS, f"megatron-core=={megatron_core}")
     session.install("--no-deps", "-e", ".")
@@ -109,9 +122,9 @@ def triton_compile(session: nox.Session, triton: str) -> None:
     session.run("python", "-W", "ignore", "-m", "tests.support.triton_compile", *session.posargs,
                 env={"TRITON_INTERPRET": "0"})
     if triton == INTERPRETER_OLDEST:  # the fused kernels through the oldest interpreter that runs them
-        session.install("pytest>=8")
-        session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore",
-                    "tests/test_fused_kernels.py", env={"TRITON_INTERPRET": "1"})
+        session.install("pytest>=8", "pytest-xdist>=3")  # one file: its tests spread over the workers
+        session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore", "-n", WORKERS[1],
+                    "--dist", "load", "tests/test_fused_kernels.py", env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session(python=PYTHON)
