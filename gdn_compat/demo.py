@@ -9,7 +9,8 @@ no state crosses a sequence boundary. Exit code 0 when it does, 1 when it does n
 current device, a one-process gloo group), fla's Triton ``l2norm`` a torch one, and the layer runs in
 ``deterministic_mode``, where the release's unpacked path and gdn_compat's packed path are plain torch (fp32).
 ``--device cuda`` runs fla's kernels on the GPU (fp32; rounding differs between the packed and unpacked kernels, hence
-its looser bar). Everything the demo changes is undone before it returns.
+its looser bar; this path has not yet been run on a GPU by the project's checks). Everything the demo changes is
+undone before it returns.
 """
 
 from __future__ import annotations
