@@ -134,6 +134,20 @@ CONFIGS = {
 }
 
 
+def fingerprint(model) -> str:
+    """The first 16 hex digits of a SHA-256 over every parameter's name and values."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for pname, p in model.named_parameters():
+        digest.update(pname.encode())
+        digest.update(p.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+WEIGHTS: dict[tuple, str] = {}  # (init seed, layers, tiny) -> the initial weights' fingerprint in this process
+
+
 def train(args, name: str) -> dict:
     """One configuration's run, in megatron's world of this process."""
     import contextlib
@@ -159,6 +173,11 @@ def train(args, name: str) -> dict:
         shape = TINY if args.tiny else WIDTH
         cfg = M.config(shape=shape, bf16=not args.cpu, layers=args.layers, deterministic=deterministic)
         model = M.build(cfg, seed=init_seed, device=device)
+        weights = fingerprint(model)
+        first = WEIGHTS.setdefault((init_seed, args.layers, args.tiny), weights)
+        if weights != first:  # the harness itself: every configuration of an init seed starts from the same weights
+            raise SystemExit(f"bench_train {name}: initial weights {weights} differ from {first}, those of an earlier "
+                             f"configuration with init seed {init_seed} in this process (#53)")
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
         opt = MasterAdamW(list(model.parameters()), lr=args.lr, fused=not args.cpu)
         if not args.cpu:
@@ -196,6 +215,7 @@ def train(args, name: str) -> dict:
     return {
         "name": name, "megatron_core": ".".join(map(str, package_info.VERSION[:3])), "applied": applied,
         "switches": switches, "deterministic": deterministic, "data_seed": data_seed, "init_seed": init_seed,
+        "initial_weights_sha256": weights,
         "layers": args.layers, "shape": shape, "vocab": VOCAB, "tokens_per_step": args.tokens, "steps": args.steps,
         "lr": args.lr, "warmup": args.warmup, "loss": losses, "grad_norm": grad_norms,
         "step_ms": [round(t * 1e3, 2) for t in times], "median_step_ms": round(step_s * 1e3, 2),

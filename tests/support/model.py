@@ -122,6 +122,15 @@ def block_spec(cfg, mtp: bool = False):
 def build(cfg, seed: int = 0, device: str = "cpu"):
     from megatron.core.models.gpt import GPTModel
 
+    if device != "cpu":
+        # GatedDeltaNet initialises its conv weight, A_log and dt_bias on the GPU inside megatron's CUDA RNG tracker
+        # (0.16-0.19 ``reset_parameters``), whose state torch.manual_seed does not reset: without this a second model
+        # built in the same process got other GDN weights than the first from the same seed (#53: the training
+        # benchmark's step-0 losses differed by up to 0.17 nats between configurations run one after another).
+        # 1234 + seed: the first build in a process is what it always was (world() seeds the tracker with 1234).
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234 + seed)
     torch.manual_seed(seed)
     mtp = None
     if cfg.mtp_num_layers:

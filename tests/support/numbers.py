@@ -180,7 +180,30 @@ def cost_train() -> str:
     return "\n".join(rows)
 
 
-TABLES: dict[str, Callable[[], str]] = {"fast-layer": fast_layer, "fast-stack": fast_stack, "thd-modes": thd_modes,
+def step0(before: str = "h100-step0-spread-0.19.2-as-before.json", after: str = "h100-step0-spread-0.19.2.json") -> str:
+    """benchmarks/step0_spread.py (#53): each configuration's step-0 loss with the harness as it was (models built one
+    after another in a process, the CUDA RNG tracker not reseeded) and as it is, against the fp32 run of native's
+    weights, and with the same weights each decoder layer's output distance from the fp32 run (first / last layer)."""
+    old, new = _load(before), _load(after)
+    fp32 = new["fp32"]["loss"]
+    rows = [f"| configuration | weights as before | step-0 loss as before | weights now | step-0 loss now (fp32 "
+            f"{fp32:.4f}) | layer 1 / layer 8 rel. to fp32 |", "|---|---|---|---|---|---|"]
+    for name, r in new["configs"].items():
+        o = old["configs"][name]
+        same, was = (("native's" if x["same_weights_as_fp32_run"] else "**other**") for x in (r, o))
+        dist = r["layer_rel_to_fp32"]
+        rows.append(f"| {plain(name)} | {was} | "
+                    f"{o['loss']:.4f} | {same} | {r['loss']:.4f} ({r['loss'] - fp32:+.4f}) | "
+                    f"{dist[0]:.4f} / {dist[-1]:.4f} |")
+    return "\n".join(rows) + "\n\n" + f"<sub>from `benchmarks/results/{before}` and `{after}`</sub>"
+
+
+def plain(name: str) -> str:
+    return {"both": "both switches", "det-both": "both, deterministic_mode", "fused": "`gdn_fused`",
+            "flashqla": "`gdn_flashqla`"}.get(name, name)
+
+
+TABLES: dict[str, Callable[[], str]] = {"step0": step0, "fast-layer": fast_layer, "fast-stack": fast_stack, "thd-modes": thd_modes,
                                         "train": train, "long": long_rows, "cost-layer": cost_layer,
                                         "cost-train": cost_train}
 # The file each table lives in (relative to the repository root).
