@@ -135,6 +135,19 @@ def megatron_cpu():
 
 
 @pytest.fixture
+def small_gdn(megatron_cpu, monkeypatch):
+    """A small release GatedDeltaNet in deterministic_mode (the release's unpacked path runs on the CPU there) with a
+    torch l2norm, and no pack cached before or after it."""
+    from gdn_compat.patches.gdn_thd import PACKS
+    from tests.support.gdn import build_gdn, use_torch_l2norm
+
+    use_torch_l2norm(monkeypatch)
+    PACKS.clear()
+    yield build_gdn(megatron_cpu, deterministic=True, hk=2, hv=4, dk=16, dv=16)
+    PACKS.clear()
+
+
+@pytest.fixture
 def fresh_fallback_notes():
     """gdn_compat says each fast-path fallback once per process and reason: a test that looks for one, or rules one
     out, starts with none said, so it sees what its own calls did."""

@@ -21,7 +21,7 @@ import gdn_compat
 from gdn_compat.patches.gdn_thd import PACKS
 from gdn_compat.patches.gdn_thd.fast import norm_eps
 from tests.support.fused import interpreted_or_cuda
-from tests.support.gdn import build_gdn, offsets, packed, packed_run, rel, use_torch_l2norm
+from tests.support.gdn import clamped_decay, offsets, packed, packed_run, rel, sigmoid_gate
 from tests.support.release import FACTS, MEGATRON, skip_reason
 
 FUSED = skip_reason("gdn_fused", gdn_fused=True)
@@ -42,11 +42,8 @@ kernels = pytest.mark.interpreted_fused
 
 
 @pytest.fixture
-def layer(megatron_cpu, monkeypatch):
-    use_torch_l2norm(monkeypatch)
-    PACKS.clear()
-    yield build_gdn(megatron_cpu, deterministic=True, hk=2, hv=4, dk=16, dv=16)
-    PACKS.clear()
+def layer(small_gdn):
+    return small_gdn
 
 
 def _x(seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -130,19 +127,9 @@ def _subclass(layer, **methods):
     return layer
 
 
-def _sigmoid_gate(self, x, gate):  # another output-gate activation (upstream main's --gdn-output-gate-activation)
-    y = self.out_norm(x.reshape(-1, x.shape[-1]))
-    return (y * torch.sigmoid(gate.reshape(-1, gate.shape[-1]).float())).to(x.dtype)
-
-
-def _clamped_decay(self, A_log_local_cp, dt_bias_local_cp, alpha, beta):
-    g = -A_log_local_cp.float().exp() * F.softplus(alpha.float() + dt_bias_local_cp)
-    return g.clamp(min=-0.5), beta.sigmoid()
-
-
-SUBCLASSES = {"_apply_gated_norm": _sigmoid_gate}
+SUBCLASSES = {"_apply_gated_norm": sigmoid_gate}
 if FACTS.gdn_gate_method == "_compute_g_and_beta":  # 0.18/0.19 compute the gate in a method of its own
-    SUBCLASSES["_compute_g_and_beta"] = _clamped_decay
+    SUBCLASSES["_compute_g_and_beta"] = clamped_decay
 
 
 @pytest.mark.parametrize("method", sorted(SUBCLASSES))

@@ -16,12 +16,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import gdn_compat
-from gdn_compat.patches.gdn_thd import PACKS
 from tests.support.fused import interpreted_or_cuda
-from tests.support.gdn import build_gdn, offsets, packed, packed_run, rel, use_torch_l2norm
+from tests.support.gdn import clamped_decay, offsets, packed, packed_run, rel, sigmoid_gate
 from tests.support.release import FACTS, MEGATRON, skip_reason
 
 FUSED = skip_reason("gdn_fused", gdn_fused=True)
@@ -38,26 +36,13 @@ NATIVE = FACTS.gdn_gate_method == "_compute_g_and_beta"  # 0.18/0.19: the steps 
 
 
 @pytest.fixture
-def layer(megatron_cpu, monkeypatch):
-    use_torch_l2norm(monkeypatch)
-    PACKS.clear()
-    yield build_gdn(megatron_cpu, deterministic=True, hk=2, hv=4, dk=16, dv=16)
-    PACKS.clear()
+def layer(small_gdn):
+    return small_gdn
 
 
-def _sigmoid_gate(self, x, gate):  # another output-gate activation (upstream main's --gdn-output-gate-activation)
-    y = self.out_norm(x.reshape(-1, x.shape[-1]))
-    return (y * torch.sigmoid(gate.reshape(-1, gate.shape[-1]).float())).to(x.dtype)
-
-
-def _clamped_decay(self, A_log_local_cp, dt_bias_local_cp, alpha, beta):
-    g = -A_log_local_cp.float().exp() * F.softplus(alpha.float() + dt_bias_local_cp)
-    return g.clamp(min=-0.5), beta.sigmoid()
-
-
-HONOURED = {"_apply_gated_norm": _sigmoid_gate}  # steps the unfused path takes from the layer
+HONOURED = {"_apply_gated_norm": sigmoid_gate}  # steps the unfused path takes from the layer
 if NATIVE:
-    HONOURED["_compute_g_and_beta"] = _clamped_decay
+    HONOURED["_compute_g_and_beta"] = clamped_decay
 WAYS = ["release-class-after-apply", "release-class-before-apply", "subclass-after-first-packed-call", "on-the-layer"]
 SWITCHES = {"default": {}, "gdn_fused": {"gdn_fused": True}}
 
@@ -125,7 +110,7 @@ def test_once_the_release_method_is_back_the_fused_region_takes_the_layer_again(
     with gdn_compat.applied(gdn_fused=True):
         fused = packed_run(layer, x, psp)
         with monkeypatch.context() as mp:
-            mp.setattr(type(layer), "_apply_gated_norm", _sigmoid_gate)
+            mp.setattr(type(layer), "_apply_gated_norm", sigmoid_gate)
             replaced = packed_run(layer, x, psp)
         fast.forget_notes()
         caplog.clear()
@@ -217,7 +202,7 @@ def test_judging_a_layer_reads_no_source_per_call(layer, monkeypatch):
         assert check.replaced(layer, kernels.FUSED_OWN) == ()
     first = len(calls)
     assert first <= len(kernels.FUSED_OWN)
-    monkeypatch.setattr(type(layer), "_apply_gated_norm", _sigmoid_gate)
+    monkeypatch.setattr(type(layer), "_apply_gated_norm", sigmoid_gate)
     assert [s.split(" ")[0] for s in check.replaced(layer, kernels.FUSED_OWN)] == ["_apply_gated_norm"]
     for _ in range(50):
         check.replaced(layer, kernels.FUSED_OWN)

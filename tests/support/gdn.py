@@ -249,3 +249,14 @@ def captured_layer_step(layer, x0: torch.Tensor, dy: torch.Tensor, psp):
 
     graph, out = gdn_compat.graphs.capture(step)
     return graph, sx, {"out": out, "dx": sx.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+
+
+# What frameworks put in place of a GatedDeltaNet method (tests of replaced methods, #41 / #53):
+def sigmoid_gate(self, x, gate):  # another output-gate activation (upstream main's --gdn-output-gate-activation)
+    y = self.out_norm(x.reshape(-1, x.shape[-1]))
+    return (y * torch.sigmoid(gate.reshape(-1, gate.shape[-1]).float())).to(x.dtype)
+
+
+def clamped_decay(self, A_log_local_cp, dt_bias_local_cp, alpha, beta):  # a clamped decay in place of the gate
+    g = -A_log_local_cp.float().exp() * F.softplus(alpha.float() + dt_bias_local_cp)
+    return g.clamp(min=-0.5), beta.sigmoid()
