@@ -4,7 +4,7 @@
     nox -s "tests(0.18.2)"       # one release
     nox -s hf_parity                             # Hugging Face's GDN layers against the packed path (0.17.1, 0.19.2)
     nox -s triton_compile                        # every Triton kernel compiled by each Triton torch 2.7-2.15 ship
-    nox -s demo                                  # the CPU demo (megatron-core 0.17.1)
+    nox -s demo                                  # python -m gdn_compat.demo from the installed package
     nox -s compat_table                          # regenerate the README compatibility table
     nox -s numbers                               # regenerate the README benchmark tables from benchmarks/results
     MEGATRON_SOURCE=/path/to/Megatron-LM nox -s source   # the CPU suite against a megatron source tree (upstream main)
