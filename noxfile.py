@@ -67,7 +67,12 @@ INDUCTOR = tempfile.mkdtemp(prefix="gdn-compat-inductor-")
 # megatron-core 0.15.x compiles a CUDA extension when megatron.core is imported; on a machine
 # without a GPU torch's arch detection then raises IndexError (which 0.15.x does not catch) unless
 # the arch list is given. The compile then fails cleanly and megatron carries on without it.
-CPU_ENV = {"PYTHONWARNINGS": "ignore", "TORCH_CUDA_ARCH_LIST": "9.0", "TORCHINDUCTOR_CACHE_DIR": INDUCTOR}
+# One OpenMP thread per process: a session runs two pytest workers (or two gloo ranks, or a fresh interpreter beside
+# a worker) on the two cores, and torch's default of one thread per core oversubscribed them; on the suite's small
+# tensors the threads spun waiting on each other (the 1-rank acceptance matrix: 38 s of wall time with two threads a
+# process, 9 s with one, measured 2026-12-06 beside another nox run)
+THREADS = {"OMP_NUM_THREADS": "1"}
+CPU_ENV = {"PYTHONWARNINGS": "ignore", "TORCH_CUDA_ARCH_LIST": "9.0", "TORCHINDUCTOR_CACHE_DIR": INDUCTOR, **THREADS}
 
 # CI compiles with the oldest Triton, the oldest whose interpreter runs the kernels, and the newest (the whole matrix,
 # all 8, is `nox -s triton_compile`: every one compiled every kernel on 2026-12-02), to keep the command's time
@@ -124,7 +129,7 @@ def triton_compile(session: nox.Session, triton: str) -> None:
     if triton == INTERPRETER_OLDEST:  # the fused kernels through the oldest interpreter that runs them
         session.install("pytest>=8", "pytest-xdist>=3")  # one file: its tests spread over the workers
         session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore", "-n", WORKERS[1],
-                    "--dist", "load", "tests/test_fused_kernels.py", env={"TRITON_INTERPRET": "1"})
+                    "--dist", "load", "tests/test_fused_kernels.py", env={"TRITON_INTERPRET": "1", **THREADS})
 
 
 @nox.session(python=PYTHON)
