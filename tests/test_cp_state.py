@@ -1,0 +1,143 @@
+"""CP state passing (#56), the math: gdn_compat's conv with halos and delta rule with states chained across ranks,
+each rank holding its load-balanced slots of every sequence, against a float64 run of each whole sequence.
+
+2 and 4 gloo ranks (6 value heads at cp = 4: heads need not divide cp), a pack with a zero-length entry, a length-1
+slot (shorter than the conv's halo, which then reaches back over several slots) and a sequence of one slot per rank.
+Outputs and every input's gradient (summed over the ranks that hold a token: its own) must be as close to the float64
+truth as the same rule over whole sequences on one rank (cp = 1) is.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gdn_compat.fused import reference as R
+from gdn_compat.patches.gdn_thd import state_cp
+from tests.support.gdn import offsets, shard
+from tests.support.release import FACTS
+
+pytestmark = pytest.mark.heavy
+LENGTHS = {2: [12, 0, 4, 40, 8], 4: [24, 0, 8, 64, 16]}  # slot lengths 3, -, 1, 10, 2 (cp 2) / 3, -, 1, 8, 2 (cp 4)
+HEADS, DK, DV, WIDTH, CHANNELS = 6, 8, 4, 4, 10
+
+
+def inputs(lengths: list[int], dtype=torch.float64) -> dict:
+    gen = torch.Generator().manual_seed(sum(lengths))
+    t = sum(lengths)
+    rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    return {
+        "q": R.l2norm(rand(t, HEADS, DK)), "k": R.l2norm(rand(t, HEADS, DK)), "v": rand(t, HEADS, DV),
+        "g": -F.softplus(rand(t, HEADS)) * 0.3, "beta": rand(t, HEADS).sigmoid(), "do": rand(t, HEADS, DV),
+        "x": rand(t, CHANNELS), "w": rand(CHANNELS, 1, WIDTH) * 0.5, "b": rand(CHANNELS), "dy": rand(t, CHANNELS),
+    }
+
+
+def whole(data: dict, lengths: list[int], rule) -> dict:
+    """The rule and the conv over whole sequences (cp = 1): outputs and gradients."""
+    leaves = {n: data[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "x", "w", "b")}
+    o = rule(leaves, lengths)
+    y = R.conv_act(leaves["x"], leaves["w"][:, 0], leaves["b"], offsets(lengths))
+    ((o * data["do"].to(o)).sum() + (y * data["dy"].to(y)).sum()).backward()
+    return {"o": o.detach(), "y": y.detach(), **{f"d{n}": t.grad for n, t in leaves.items()}}
+
+
+def truth_rule(t: dict, lengths: list[int]) -> torch.Tensor:
+    return R.delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], offsets(lengths))
+
+
+def release_rule_whole(t: dict, lengths: list[int]) -> torch.Tensor:
+    """The release's torch rule on each whole sequence, fp32: what cp = 1 runs on the CPU."""
+    rule = release_torch_rule()
+    outs, cu = [], offsets(lengths)
+    for a, b in zip(cu, cu[1:]):
+        if b > a:
+            o, _ = rule(*(t[n][None, a:b].float() for n in ("q", "k", "v")), g=t["g"][None, a:b].float(),
+                        beta=t["beta"][None, a:b].float(), use_qk_l2norm_in_kernel=False)
+            outs.append(o[0])
+    return torch.cat(outs)
+
+
+def release_torch_rule():
+    from megatron.core.ssm import gated_delta_net  # 0.19 imports it there from its common module
+
+    return gated_delta_net.torch_chunk_gated_delta_rule
+
+
+def err_of(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative distance in the 2-norm, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _rank(rank: int, cp: int, port: int, path: str, lengths: list[int]) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cp, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        data = inputs(lengths)
+        slots = state_cp.Slots.of(lengths, cp, rank)
+        mine = {n: shard(data[n], lengths, cp, rank).float().requires_grad_(True)
+                for n in ("q", "k", "v", "g", "beta", "x")}
+        w, b = data["w"].float().requires_grad_(True), data["b"].float().requires_grad_(True)
+        o = state_cp.delta_rule(state_cp.per_slot(release_torch_rule()), *(mine[n][None] for n in ("q", "k", "v")),
+                                mine["g"][None], mine["beta"][None], slots, dist.group.WORLD)[0]
+        y = F.silu(state_cp.conv(mine["x"], w, b, slots, dist.group.WORLD))
+        loss = (o * shard(data["do"], lengths, cp, rank).float()).sum() \
+            + (y * shard(data["dy"], lengths, cp, rank).float()).sum()
+        loss.backward()
+        got = {"o": o.detach(), "y": y.detach(), **{f"d{n}": t.grad for n, t in mine.items()},
+               "dw": w.grad, "db": b.grad}
+        every = [None] * cp
+        dist.all_gather_object(every, got)
+        if rank == 0:
+            torch.save(every, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def unshard(parts: list[torch.Tensor], lengths: list[int], cp: int) -> torch.Tensor:
+    """The whole pack from every rank's shard (the inverse of ``shard``)."""
+    out = []
+    starts = [0] * cp
+    for n in lengths:
+        h = n // (2 * cp)
+        slots = [None] * (2 * cp)
+        for r in range(cp):
+            slots[r] = parts[r][starts[r]:starts[r] + h]
+            slots[2 * cp - 1 - r] = parts[r][starts[r] + h:starts[r] + 2 * h]
+            starts[r] += 2 * h
+        out += slots
+    return torch.cat(out)
+
+
+def test_a_length_that_is_not_a_multiple_of_2cp_is_refused_with_its_value():
+    with pytest.raises(ValueError, match=r"sequence 1 of the pack has \(padded\) length 6; .* multiple of 2 x cp = 4"):
+        state_cp.Slots.of([8, 6], 2, 0)
+
+
+@pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release} has no GatedDeltaNet (its torch rule)")
+@pytest.mark.parametrize("cp", [2, 4])
+def test_state_passed_between_ranks_is_as_close_to_the_float64_truth_as_cp1(cp):
+    from tests.support.megatron import free_port, spawn
+
+    lengths = LENGTHS[cp]
+    data = inputs(lengths)
+    truth = whole(data, lengths, truth_rule)
+    cp1 = whole({n: t.float() for n, t in data.items()}, lengths, release_rule_whole)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.pt")
+        spawn(_rank, (cp, free_port(), path, lengths), cp)
+        every = torch.load(path)
+    for name in ("o", "y", "dq", "dk", "dv", "dg", "dbeta", "dx"):
+        got = unshard([e[name] for e in every], lengths, cp)
+        err, base = err_of(got, truth[name]), err_of(cp1[name], truth[name])
+        assert err <= 2 * base, f"cp {cp} {name}: {err:.2e} from the float64 truth; cp = 1: {base:.2e}"
+    for name in ("dw", "db"):  # parameters: each rank's gradient is its tokens' part, summed as DP x CP does
+        got = sum(e[name] for e in every)
+        err, base = err_of(got, truth[name]), err_of(cp1[name], truth[name])
+        assert err <= 2 * base, f"cp {cp} {name}: {err:.2e} from the float64 truth; cp = 1: {base:.2e}"
