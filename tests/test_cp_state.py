@@ -141,3 +141,81 @@ def test_state_passed_between_ranks_is_as_close_to_the_float64_truth_as_cp1(cp):
         got = sum(e[name] for e in every)
         err, base = err_of(got, truth[name]), err_of(cp1[name], truth[name])
         assert err <= 2 * base, f"cp {cp} {name}: {err:.2e} from the float64 truth; cp = 1: {base:.2e}"
+
+
+# The layer, as a user runs it: apply(gdn_cp_state=True), megatron's load-balanced THD shards with padding and a
+# zero-length entry, 3 key / 6 value heads (neither divides cp = 4, nor do the key heads cp = 2), deterministic_mode
+# (the release's torch rule: what runs on a CPU)
+LAYER = dict(hidden=32, dk=8, dv=8, hk=3, hv=6)
+LAYER_CFG = dict(dk=8, dv=8, hk=3, hv=6, kernel=4, eps=1e-5)
+LAYER_PACKS = {2: ([0, 5, 20, 20, 27], [0, 8, 24, 24, 32]), 4: ([0, 5, 21, 21, 40], [0, 8, 24, 24, 48])}
+
+
+def layer_case(cp: int):
+    actual, padded = LAYER_PACKS[cp]
+    lengths = [b - a for a, b in zip(padded, padded[1:])]
+    spans = [(p, p + (b - a)) for p, a, b in zip(padded, actual, actual[1:])]  # each sequence's real tokens
+    gen = torch.Generator().manual_seed(cp)
+    x = torch.randn(padded[-1], 1, LAYER["hidden"], generator=gen)
+    real = torch.zeros(padded[-1], dtype=torch.bool)
+    for a, b in spans:
+        real[a:b] = True
+    dy = torch.randn(padded[-1], 1, LAYER["hidden"], generator=gen) * real[:, None, None]  # pads: no gradient
+    return lengths, spans, x, dy, real
+
+
+def _layer_rank(rank: int, cp: int, port: int, path: str) -> None:
+    import gdn_compat
+    from tests.support.gdn import build_gdn, packed, packed_run
+    from tests.support.megatron import world
+
+    with world(rank, cp, cp=cp, port=port), gdn_compat.applied(gdn_cp_state=True) as report:
+        assert "gdn_cp_state" in report.applied, report
+        lengths, _, x, dy, _ = layer_case(cp)
+        m = build_gdn(deterministic=True, **LAYER)
+        m.load_state_dict(torch.load(path)["state"])
+        out, gx, grads = packed_run(m, shard(x, lengths, cp, rank), packed(*LAYER_PACKS[cp]),
+                                    shard(dy, lengths, cp, rank))
+        import torch.distributed as dist
+
+        for g in grads.values():  # megatron sums parameter gradients over the context-parallel ranks
+            dist.all_reduce(g)
+        every = [None] * cp
+        dist.all_gather_object(every, {"out": out, "gx": gx})
+        if rank == 0:
+            torch.save({"every": every, "grads": grads}, path)
+
+
+@pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release} has no GatedDeltaNet")
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_layer_with_gdn_cp_state_is_as_close_to_the_float64_truth_as_cp1(cp, megatron_cpu, monkeypatch):
+    import gdn_compat
+    from tests.support.gdn import build_gdn, packed, packed_run, reference_gdn, use_torch_l2norm
+    from tests.support.megatron import free_port, spawn
+    from tests.support.release import skip_reason
+
+    why = skip_reason("gdn_cp_state", gdn_cp_state=True)
+    if why:
+        pytest.skip(f"gdn_cp_state not applied on {FACTS.release}: {why}")
+    use_torch_l2norm(monkeypatch)
+    lengths, spans, x, dy, real = layer_case(cp)
+    m = build_gdn(deterministic=True, **LAYER)
+    with gdn_compat.applied():  # cp = 1: the packed path the other suites hold to per-sequence runs
+        out1, gx1, grads1 = packed_run(m, x, packed(*LAYER_PACKS[cp]), dy)
+    # the float64 truth: every sequence alone, token by token
+    params = {n: p.detach().double().requires_grad_(True) for n, p in m.named_parameters()}
+    x64 = x[:, 0].double().requires_grad_(True)
+    truth = reference_gdn(params, LAYER_CFG, x64, spans)
+    (truth * dy[:, 0].double()).sum().backward()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.pt")
+        torch.save({"state": m.state_dict()}, path)
+        spawn(_layer_rank, (cp, free_port(), path), cp)
+        got = torch.load(path)
+    out = unshard([e["out"][:, 0] for e in got["every"]], lengths, cp)
+    gx = unshard([e["gx"][:, 0] for e in got["every"]], lengths, cp)
+    pairs = {"output": (out[real], out1[:, 0][real], truth.detach()[real]), "input grad": (gx, gx1[:, 0], x64.grad)}
+    pairs |= {f"{n} grad": (got["grads"][n], grads1[n], params[n].grad) for n in params}
+    for what, (ours, one, want) in pairs.items():
+        err, base = err_of(ours, want), err_of(one, want)
+        assert err <= 2 * base, f"cp {cp} {what}: {err:.2e} from the float64 truth; cp = 1: {base:.2e}"

@@ -8,6 +8,7 @@ from gdn_compat.patches import (
     config_gdn_cp,
     gdn_backward_dw,
     gdn_cp_comm_type,
+    gdn_cp_state,
     gdn_flashqla,
     gdn_fused,
     gdn_gate_fp32,
@@ -24,6 +25,6 @@ from gdn_compat.patches import (
 )
 
 PATCHES = (gdn_thd.PATCH, gdn_thd_deterministic.PATCH, gdn_thd_graph_safe.PATCH, gdn_thd_cp_fused.PATCH,
-           gdn_thd_zero_length.PATCH, gdn_flashqla.PATCH, gdn_fused.PATCH, gdn_thd_unpacked.PATCH, config_gdn_cp.PATCH,
+           gdn_thd_zero_length.PATCH, gdn_flashqla.PATCH, gdn_fused.PATCH, gdn_cp_state.PATCH, gdn_thd_unpacked.PATCH, config_gdn_cp.PATCH,
            gdn_cp_comm_type.PATCH, gdn_out_norm_tp_grad.PATCH, gdn_backward_dw.PATCH, gdn_gate_fp32.PATCH, mtp_checkpoint_args.PATCH,
            mtp_packed_roll.PATCH, mtp_padding_mask.PATCH)

@@ -58,9 +58,10 @@ def decide(facts: Facts) -> str | None:
 def packed_forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pack, cp: int) -> tuple[torch.Tensor, Any]:
     """The GDN over [s_local, b, h] input whose rows are ``pack``'s sequences (b = 1 for THD)."""
     group = cpx.group_of(layer)
-    loc = local_view(layer, cp, group.rank() if cp > 1 else 0)
+    passing = cp > 1 and core.passes_state(pack)  # gdn_cp_state: this rank's tokens, every head, the state crosses
+    loc = local_view(layer, 1, 0) if passing else local_view(layer, cp, group.rank() if cp > 1 else 0)
     qkvzba, _ = layer.in_proj(hidden_states)  # gathers the sequence-parallel shards
-    if cp > 1:
+    if cp > 1 and not passing:
         assert pack.perm is not None and pack.inverse is not None
         tp_hv = layer.num_value_heads // layer.tp_size
         sections = [layer.qk_dim // layer.tp_size] * 2 + [layer.v_dim // layer.tp_size] * 2 + [tp_hv, tp_hv]
@@ -75,10 +76,13 @@ def packed_forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pa
 
     def finish(norm_out: torch.Tensor) -> torch.Tensor:  # -> the output projection's input
         norm_out = norm_out.reshape(rows, seq, loc.v).transpose(0, 1).contiguous()  # no -1: 0 tokens
-        return norm_out if pack.inverse is None else cpx.hp2cp(norm_out, pack.inverse, group, cp)
+        return norm_out if pack.inverse is None or passing else cpx.hp2cp(norm_out, pack.inverse, group, cp)
 
     checkpoint = None
-    region, why = core.region_core(layer, loc, flat, pack) if total and core.fast.fused else (None, "off")
+    if passing and core.fast.fused:
+        region, why = None, "context parallelism that passes the state (gdn_cp_state) runs the unfused region"
+    else:
+        region, why = core.region_core(layer, loc, flat, pack) if total and core.fast.fused else (None, "off")
     if region is not None:  # gdn_fused: the whole region in gdn_compat's kernels (it keeps no norm output)
         norm_out = finish(core.region(layer, loc, flat, pack, region))
     else:
@@ -88,7 +92,9 @@ def packed_forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pa
         gate = gate.reshape(1, total, hv, loc.dv)
         beta = beta.reshape(1, total, hv)
         alpha = alpha.reshape(1, total, hv)
-        if total:
+        if passing:  # an empty local share still joins its ranks' collectives
+            out, gate = core.state_passing(layer, loc, qkv, gate, beta, alpha, pack, group)
+        elif total:
             out, gate = core(layer, loc, qkv, gate, beta, alpha, pack, total)
         else:  # an empty pack: an empty output, and zero (not missing) grads for every parameter
             unused = loc.conv_w.sum() + loc.A_log.sum() + loc.dt_bias.sum()

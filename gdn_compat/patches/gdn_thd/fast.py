@@ -39,9 +39,10 @@ class Fast:
     fused: bool = False
     flashqla_deterministic: bool = False  # the probe found FlashQLA's source free of atomics
     flashqla_graphs: bool = False  # the probe found FlashQLA taking chunk metadata attached to its offsets
+    state_cp: bool = False  # patch gdn_cp_state: packed context parallelism passes the state between ranks
 
     def __bool__(self) -> bool:
-        return self.flashqla or self.fused
+        return self.flashqla or self.fused or self.state_cp
 
     def __or__(self, other: Fast) -> Fast:
         """Both sets of paths (the switches combine): every field of either."""

@@ -242,6 +242,43 @@ class Core:
             return self.fla(layer, loc, qkv, gate, beta, alpha, pack, total, qla is None)
         return self.torch(layer, loc, qkv, gate, beta, alpha, pack)
 
+    def passes_state(self, pack: Pack) -> bool:
+        """Whether this packed CP call passes the delta rule's state between ranks (gdn_cp_state) instead of the
+        head all-to-all; a graph-safe pack keeps the all-to-all, said once (the slots are read on the host)."""
+        if not self.fast.state_cp:
+            return False
+        if pack.cu_cpu is None:
+            fast.note("gdn_cp_state", "a graph-safe pack (CUDA-graph capture or a PackBuffer's offsets): the ranks' "
+                                      "slots are laid out from host offsets", instead="such calls exchange heads "
+                                                                                      "with the all-to-all")
+            return False
+        return True
+
+    def state_passing(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, group: Any):
+        """gdn_cp_state: (delta-rule output, gate z) of this rank's slots of every sequence, with all of its tensor-
+        parallel rank's heads; the conv's halo and the rule's state come from the slots before (``state_cp.py``)."""
+        from gdn_compat.patches.gdn_thd import state_cp
+
+        slots = state_cp.Slots.of([end - start for start, end in pack.spans], group.size(), group.rank())
+        total = qkv.shape[1]
+        x = layer.act_fn(state_cp.conv(qkv[0], loc.conv_w, loc.conv_b, slots, group))[None]
+        fla = qkv.is_cuda and (self.fla_deterministic or not layer.config.deterministic_mode)
+        query, key, value, gate, beta, alpha = prepare_qkv(
+            x, gate, beta, alpha, total, loc.qk, loc.v, loc.dk, loc.dv, loc.repeat, bool(layer.use_qk_l2norm),
+            self.l2norm_home.l2norm if fla else l2norm_torch,
+        )
+        g, beta = self.gate(layer, g_and_beta)(loc.A_log, loc.dt_bias, alpha, beta)
+        if self.fast.flashqla:
+            fast.note("gdn_flashqla", "context parallelism that passes the state (gdn_cp_state) runs its rule in "
+                                      "two passes of fla's or the release's")
+        if fla:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            rule = state_cp.fla_rule(chunk_gated_delta_rule)
+        else:  # the CPU, or deterministic_mode with fla kernels that use atomics: the release's torch rule
+            rule = state_cp.per_slot(self.release.torch_chunk_gated_delta_rule)
+        return state_cp.delta_rule(rule, query, key, value, g, beta, slots, group), gate
+
     def _flashqla(self, layer: Any, loc: Local, x: torch.Tensor, pack: Pack) -> str | None:
         why = fast.flashqla_skip(self.fast, layer, loc, x, pack)
         if why not in (None, "off"):

@@ -1,0 +1,48 @@
+"""gdn_cp_state (opt-in): packed context parallelism that passes the delta rule's state between ranks (#56).
+
+Every release's GDN context parallelism (0.18/0.19's own, and gdn_thd's on 0.16/0.17) exchanges heads for tokens
+with an all-to-all, so each rank runs whole sequences for ``value heads / (tp x cp)`` heads: cp is capped by the heads
+a tensor-parallel rank holds, and every rank runs every token through the rule. With this switch on, a packed
+(``qkv_format='thd'``) call at cp > 1 keeps each rank's own tokens, in megatron's load-balanced THD CP layout, with
+all of its tensor-parallel rank's heads: the conv takes its halo from the slots before, and the delta rule's state
+crosses slots and ranks (``gdn_thd/state_cp.py``: each rank's slot transitions and states, one all_gather, the chain,
+a second pass from the chained states). Upstream's dev branch has a mode like it (Megatron-LM #3282,
+``linear_cp_mode='chunkwise'``, which refuses zero-length offsets entries); fla >= 0.6 has CP operators for the rule
+(fla PR #691) that this path does not use yet.
+
+Calls at cp = 1, unpacked calls and inference are the route below (the release's, or gdn_thd's). A graph-safe pack
+(CUDA-graph capture, a ``PackBuffer``) keeps the all-to-all, said once. Off by default:
+``apply(gdn_cp_state=True)`` or ``GDN_COMPAT_ENABLE=gdn_cp_state``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gdn_compat._probe import GDN_MODULE, Facts
+from gdn_compat._registry import Patch, Target
+from gdn_compat.patches.gdn_thd import carrier_skip, needs_gdn_thd, route
+from gdn_compat.patches.gdn_thd import context_parallel as cpx
+from gdn_compat.patches.gdn_thd.fast import Fast
+
+
+def decide(facts: Facts) -> str | None:
+    return carrier_skip(facts)
+
+
+def build(facts: Facts, original: Any) -> Any:
+    return route(facts, original, lambda layer: True, Fast(state_cp=True),
+                 wants=lambda layer, pack: cpx.size_of(layer) > 1)
+
+
+PATCH = Patch(
+    name="gdn_cp_state",
+    target=Target(GDN_MODULE, "GatedDeltaNet", "forward"),
+    decide=decide,
+    build=build,
+    summary="packed GDN calls at context parallel size > 1 keep each rank's tokens and every head: the conv's halo "
+            "and the delta rule's state pass between ranks (no head all-to-all, heads need not divide cp); other "
+            "calls are the route below",
+    requires=needs_gdn_thd,
+    opt_in=True,
+)
