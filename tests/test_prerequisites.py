@@ -70,10 +70,10 @@ def children():
 def needs_fla() -> set[str]:
     """The patches that run fla's kernels on this release (their decisions must name fla when it is missing)."""
     if FACTS.gdn_thd is Thd.REFUSES:  # 0.16/0.17: gdn_thd is the packed path; config_gdn_cp needs gdn_thd
-        return {"gdn_thd", "gdn_thd_unpacked", "gdn_fused", "gdn_flashqla", "config_gdn_cp"}
+        return {"gdn_thd", "gdn_thd_unpacked", "gdn_fused", "gdn_flashqla", "gdn_cp_state", "config_gdn_cp"}
     per_sequence = {"gdn_thd_cp_fused"} if FACTS.gdn_cp_per_sequence else set()  # 0.18
     return {"gdn_thd_deterministic", "gdn_thd_graph_safe", "gdn_thd_zero_length", "gdn_fused", "gdn_flashqla",
-            *per_sequence}
+            "gdn_cp_state", *per_sequence}
 
 
 def without_fla():

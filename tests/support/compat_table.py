@@ -10,7 +10,7 @@ import pathlib
 from typing import Any
 
 COLUMNS = ("gdn_thd", "gdn_thd_deterministic", "gdn_thd_graph_safe", "gdn_thd_cp_fused", "gdn_thd_zero_length",
-           "gdn_flashqla", "gdn_fused",
+           "gdn_flashqla", "gdn_fused", "gdn_cp_state",
            "gdn_thd_unpacked", "config_gdn_cp", "gdn_cp_comm_type", "gdn_out_norm_tp_grad", "gdn_backward_dw",
            "gdn_gate_fp32", "mtp_checkpoint_args", "mtp_packed_roll", "mtp_padding_mask")
 HEADER = ("| megatron-core | GatedDeltaNet | THD in GDN | CP in GDN | MTP `_checkpointed_forward` | "

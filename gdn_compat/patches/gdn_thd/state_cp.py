@@ -178,19 +178,25 @@ def delta_rule(rule: Rule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                slots: Slots, group: Any) -> torch.Tensor:
     """The gated delta rule over whole sequences of which this rank holds ``slots``: ``q``/``k`` ``[1, T, H, K]``
     (repeated to v's heads), ``v`` ``[1, T, H, V]``, ``g``/``beta`` ``[1, T, H]`` -> ``o`` ``[1, T, H, V]``."""
-    cu = slots.cu
-    pieces = len(cu) - 1
-    if pieces == 0:
+    if len(slots.cu) == 1:
         return v * 0
-    heads, dk, dv = v.shape[2], k.shape[-1], v.shape[-1]
-    # one run from [0, I] with values [v, 0]: each piece's final state is [B, A]
-    zero_v = v.new_zeros(*v.shape[:-1], dk)
+    return finish(rule, q, k, v, g, beta, slots, gather(transitions(rule, q, k, v, g, beta, slots), group))
+
+
+def transitions(rule: Rule, q, k, v, g, beta, slots: Slots) -> torch.Tensor:
+    """``[P, H, K, V + K]``: each of this rank's pieces' ``[B, A]``, from one run of the rule from ``[0, I]`` with
+    values ``[v, 0]``."""
+    pieces, heads, dk, dv = len(slots.cu) - 1, v.shape[2], k.shape[-1], v.shape[-1]
     eye = torch.eye(dk, device=v.device, dtype=torch.float32).expand(pieces, heads, dk, dk)
     start = torch.cat([eye.new_zeros(pieces, heads, dk, dv), eye], dim=-1)
-    _, final = rule(q, k, torch.cat([v, zero_v], dim=-1), g, beta, start, cu)
-    every = gather(final, group)  # [cp, P, H, K, V + K]
-    B, A = every.split([dv, dk], dim=-1)
-    out, _ = rule(q, k, v, g, beta, start_states(A, B, slots), cu)
+    _, final = rule(q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1), g, beta, start, slots.cu)
+    return final
+
+
+def finish(rule: Rule, q, k, v, g, beta, slots: Slots, every: torch.Tensor) -> torch.Tensor:
+    """This rank's output, run from the states chained from ``every`` rank's ``transitions`` ``[cp, P, H, K, V+K]``."""
+    B, A = every.split([v.shape[-1], k.shape[-1]], dim=-1)
+    out, _ = rule(q, k, v, g, beta, start_states(A, B, slots), slots.cu)
     return out
 
 
@@ -202,7 +208,8 @@ def per_slot(release_rule: Callable[..., Any]) -> Rule:
         outs, finals = [], []
         for p, (a, b) in enumerate(zip(cu, cu[1:])):
             o, s = release_rule(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
-                                initial_state=initial_state[p:p + 1], output_final_state=True,
+                                initial_state=None if initial_state is None else initial_state[p:p + 1],
+                                output_final_state=True,
                                 use_qk_l2norm_in_kernel=False)
             outs.append(o)
             finals.append(s)

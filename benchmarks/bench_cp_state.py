@@ -1,0 +1,154 @@
+"""CP that passes the state (gdn_cp_state, #56) against head-split CP and no CP, for the delta rule, on one GPU.
+
+Until several GPUs are lent, each rank's share runs in turn on one GPU: its two slots of one document (T / cp tokens,
+every head) through ``state_cp.transitions`` and ``state_cp.finish`` (fla's rule, forward + backward), the
+all_gather replaced by the stack of every rank's transitions computed in the same process. Against it: the rule on
+the whole document with every head (no CP), and with ``heads / cp`` of them (head-split CP's per-rank work; its two
+all-to-alls are counted in bytes, not run). Numerics: the state-passing output and the whole-document output, both
+bf16, against fla's rule in fp32 on the whole document.
+
+    python -m benchmarks.bench_cp_state --lengths 32768,131072 --cps 4 --json out.json
+
+Prints one line per configuration; the JSON has every number. Conv, projections and norms are not included (their
+per-rank cost is the same in both CP modes: T / cp tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gdn_compat.patches.gdn_thd import state_cp
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def inputs(t: int, heads: int, dk: int, dv: int, dtype, seed: int = 0) -> dict:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
+    return {"q": F.normalize(rand(1, t, heads, dk), dim=-1).to(dtype), "k": F.normalize(rand(1, t, heads, dk), dim=-1).to(dtype),
+            "v": rand(1, t, heads, dv).to(dtype), "g": (-F.softplus(rand(1, t, heads)) * 0.1).float(),
+            "beta": rand(1, t, heads).sigmoid().to(dtype)}
+
+
+def shard(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    chunks = x.chunk(2 * cp, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
+
+
+def unshard(parts: list[torch.Tensor], cp: int) -> torch.Tensor:
+    slots: list = [None] * (2 * cp)
+    for r, p in enumerate(parts):
+        slots[r], slots[2 * cp - 1 - r] = p.chunk(2, dim=1)
+    return torch.cat(slots, dim=1)
+
+
+def timed(fn, iters: int = 5) -> tuple[float, int]:
+    """(ms per call, peak bytes above what was allocated before)."""
+    if DEVICE != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3, 0
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters, torch.cuda.max_memory_allocated() - base
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="32768,131072")
+    ap.add_argument("--cps", default="4")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--dk", type=int, default=128)
+    ap.add_argument("--dv", type=int, default=128)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if DEVICE == "cuda":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        rule = state_cp.fla_rule(chunk_gated_delta_rule)
+    else:  # a dry run of this script on the CPU: the release's torch rule, one slot at a time
+        from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
+
+        rule = state_cp.per_slot(torch_chunk_gated_delta_rule)
+    results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "heads": args.heads,
+               "dk": args.dk, "dv": args.dv, "rows": []}
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+    def whole(d, heads=None):
+        leaves = {n: t[:, :, :heads].detach().requires_grad_(True) for n, t in d.items()}
+        o, _ = rule(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), None, [0, d["q"].shape[1]])
+        o.backward(torch.ones_like(o))
+
+    for length in [int(x) for x in args.lengths.split(",")]:
+        d = inputs(length, args.heads, args.dk, args.dv, torch.bfloat16)
+        for cp in [int(x) for x in args.cps.split(",")]:
+            t0 = time.perf_counter()
+            slots = [state_cp.Slots.of([length], cp, r) for r in range(cp)]
+            local = [{n: shard(t, cp, r) for n, t in d.items()} for r in range(cp)]
+            row: dict = {"length": length, "cp": cp}
+            # numerics (forward): every rank's share, chained in process, against fp32 on the whole document
+            with torch.no_grad():
+                every = torch.stack([state_cp.transitions(rule, *(x[n] for n in ("q", "k", "v", "g", "beta")), s)
+                                     for x, s in zip(local, slots)])
+                o_cp = unshard([state_cp.finish(rule, *(x[n] for n in ("q", "k", "v", "g", "beta")), s, every)
+                                for x, s in zip(local, slots)], cp)
+                o_bf16, _ = rule(d["q"], d["k"], d["v"], d["g"], d["beta"], None, [0, length])
+                o_fp32, _ = rule(*(d[n].float() for n in ("q", "k", "v")), d["g"], d["beta"].float(), None,
+                                 [0, length])
+                err = lambda a: ((a.double() - o_fp32.double()).norm() / o_fp32.double().norm()).item()  # noqa: E731
+                row["rel_err_fp32"] = {"state_passing": err(o_cp), "whole_document": err(o_bf16)}
+                del o_cp, o_bf16, o_fp32
+            # one rank's share, forward + backward (every rank's share is the same size)
+            x0 = {n: t.detach().requires_grad_(True) for n, t in local[0].items()}
+
+            def rank_step():
+                tr = state_cp.transitions(rule, *(x0[n] for n in ("q", "k", "v", "g", "beta")), slots[0])
+                ev = torch.stack([tr] + [t.detach() for t in every[1:]])
+                o = state_cp.finish(rule, *(x0[n] for n in ("q", "k", "v", "g", "beta")), slots[0], ev)
+                o.backward(torch.ones_like(o))
+
+            ms, peak = timed(rank_step)
+            row["state_passing_rank"] = {"ms": ms, "peak_mib": peak / 2**20}
+            ms, peak = timed(lambda: whole(d))
+            row["no_cp"] = {"ms": ms, "peak_mib": peak / 2**20}
+            if args.heads % cp == 0:
+                ms, peak = timed(lambda: whole(d, args.heads // cp))
+                row["head_split_rank"] = {"ms": ms, "peak_mib": peak / 2**20}
+            # bytes a rank sends: state passing, its two slots' [B, A] in fp32 (all_gather); head-split, q/k/v/z/b/a of
+            # its T / cp tokens for the other ranks' heads (bf16), and the (cp-1)/cp of its output heads back
+            hk = args.heads  # q/k repeated to v's heads here; a GQA layer sends fewer q/k features
+            features = 2 * hk * args.dk + 2 * args.heads * args.dv + 2 * args.heads
+            row["bytes_sent_per_rank"] = {
+                "state_passing": 2 * args.heads * args.dk * (args.dk + args.dv) * 4,
+                "head_split": (length // cp) * (features + args.heads * args.dv) * 2 * (cp - 1) // cp,
+            }
+            row["wall_s"] = time.perf_counter() - t0
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            save()
+            del every, local
+        del d
+        torch.cuda.empty_cache()
+    save()
+
+
+if __name__ == "__main__":
+    main()
