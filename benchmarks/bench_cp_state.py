@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from gdn_compat.patches.gdn_thd import state_cp
 
-
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -92,62 +91,69 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
 
-    def whole(d, heads=None):
-        leaves = {n: t[:, :, :heads].detach().requires_grad_(True) for n, t in d.items()}
-        o, _ = rule(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), None, [0, d["q"].shape[1]])
-        o.backward(torch.ones_like(o))
-
     for length in [int(x) for x in args.lengths.split(",")]:
         d = inputs(length, args.heads, args.dk, args.dv, torch.bfloat16)
         for cp in [int(x) for x in args.cps.split(",")]:
-            t0 = time.perf_counter()
-            slots = [state_cp.Slots.of([length], cp, r) for r in range(cp)]
-            local = [{n: shard(t, cp, r) for n, t in d.items()} for r in range(cp)]
-            row: dict = {"length": length, "cp": cp}
-            # numerics (forward): every rank's share, chained in process, against fp32 on the whole document
-            with torch.no_grad():
-                every = torch.stack([state_cp.transitions(rule, *(x[n] for n in ("q", "k", "v", "g", "beta")), s)
-                                     for x, s in zip(local, slots)])
-                o_cp = unshard([state_cp.finish(rule, *(x[n] for n in ("q", "k", "v", "g", "beta")), s, every)
-                                for x, s in zip(local, slots)], cp)
-                o_bf16, _ = rule(d["q"], d["k"], d["v"], d["g"], d["beta"], None, [0, length])
-                o_fp32, _ = rule(*(d[n].float() for n in ("q", "k", "v")), d["g"], d["beta"].float(), None,
-                                 [0, length])
-                err = lambda a: ((a.double() - o_fp32.double()).norm() / o_fp32.double().norm()).item()  # noqa: E731
-                row["rel_err_fp32"] = {"state_passing": err(o_cp), "whole_document": err(o_bf16)}
-                del o_cp, o_bf16, o_fp32
-            # one rank's share, forward + backward (every rank's share is the same size)
-            x0 = {n: t.detach().requires_grad_(True) for n, t in local[0].items()}
-
-            def rank_step():
-                tr = state_cp.transitions(rule, *(x0[n] for n in ("q", "k", "v", "g", "beta")), slots[0])
-                ev = torch.stack([tr] + [t.detach() for t in every[1:]])
-                o = state_cp.finish(rule, *(x0[n] for n in ("q", "k", "v", "g", "beta")), slots[0], ev)
-                o.backward(torch.ones_like(o))
-
-            ms, peak = timed(rank_step)
-            row["state_passing_rank"] = {"ms": ms, "peak_mib": peak / 2**20}
-            ms, peak = timed(lambda: whole(d))
-            row["no_cp"] = {"ms": ms, "peak_mib": peak / 2**20}
-            if args.heads % cp == 0:
-                ms, peak = timed(lambda: whole(d, args.heads // cp))
-                row["head_split_rank"] = {"ms": ms, "peak_mib": peak / 2**20}
-            # bytes a rank sends: state passing, its two slots' [B, A] in fp32 (all_gather); head-split, q/k/v/z/b/a of
-            # its T / cp tokens for the other ranks' heads (bf16), and the (cp-1)/cp of its output heads back
-            hk = args.heads  # q/k repeated to v's heads here; a GQA layer sends fewer q/k features
-            features = 2 * hk * args.dk + 2 * args.heads * args.dv + 2 * args.heads
-            row["bytes_sent_per_rank"] = {
-                "state_passing": 2 * args.heads * args.dk * (args.dk + args.dv) * 4,
-                "head_split": (length // cp) * (features + args.heads * args.dv) * 2 * (cp - 1) // cp,
-            }
-            row["wall_s"] = time.perf_counter() - t0
+            row = measure(rule, d, length, cp, args)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
             save()
-            del every, local
         del d
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     save()
+
+
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def whole(rule, d: dict, heads: int | None = None) -> None:
+    """The rule on the whole document (its first ``heads`` heads), forward + backward."""
+    leaves = {n: t[:, :, :heads].detach().requires_grad_(True) for n, t in d.items()}
+    o, _ = rule(*(leaves[n] for n in NAMES), None, [0, d["q"].shape[1]])
+    o.backward(torch.ones_like(o))
+
+
+def measure(rule, d: dict, length: int, cp: int, args) -> dict:
+    t0 = time.perf_counter()
+    slots = [state_cp.Slots.of([length], cp, r) for r in range(cp)]
+    local = [{n: shard(t, cp, r) for n, t in d.items()} for r in range(cp)]
+    row: dict = {"length": length, "cp": cp}
+    # numerics (forward): every rank's share, chained in process, against fp32 on the whole document
+    with torch.no_grad():
+        every = torch.stack([state_cp.transitions(rule, *(x[n] for n in NAMES), s) for x, s in zip(local, slots)])
+        o_cp = unshard([state_cp.finish(rule, *(x[n] for n in NAMES), s, every) for x, s in zip(local, slots)], cp)
+        o_bf16, _ = rule(*(d[n] for n in NAMES), None, [0, length])
+        truth, _ = rule(*(d[n].float() for n in NAMES), None, [0, length])
+        row["rel_err_fp32"] = {"state_passing": rel(o_cp, truth), "whole_document": rel(o_bf16, truth)}
+    x0 = {n: t.detach().requires_grad_(True) for n, t in local[0].items()}
+
+    def rank_step() -> None:  # rank 0's share, forward + backward (every rank's share is the same size)
+        own = state_cp.transitions(rule, *(x0[n] for n in NAMES), slots[0])
+        o = state_cp.finish(rule, *(x0[n] for n in NAMES), slots[0], torch.cat([own[None], every[1:]]))
+        o.backward(torch.ones_like(o))
+
+    ms, peak = timed(rank_step)
+    row["state_passing_rank"] = {"ms": ms, "peak_mib": peak / 2**20}
+    ms, peak = timed(lambda: whole(rule, d))
+    row["no_cp"] = {"ms": ms, "peak_mib": peak / 2**20}
+    if args.heads % cp == 0:
+        ms, peak = timed(lambda: whole(rule, d, args.heads // cp))
+        row["head_split_rank"] = {"ms": ms, "peak_mib": peak / 2**20}
+    # bytes a rank sends: state passing, its two slots' [B, A] in fp32 (the all_gather); head-split, q/k/v/z/b/a of
+    # its T / cp tokens for the other ranks' heads (bf16) and its heads' outputs back (q/k counted at v's heads: a
+    # GQA layer sends fewer)
+    features = 2 * args.heads * args.dk + 2 * args.heads * args.dv + 2 * args.heads
+    row["bytes_sent_per_rank"] = {
+        "state_passing": 2 * args.heads * args.dk * (args.dk + args.dv) * 4,
+        "head_split": (length // cp) * (features + args.heads * args.dv) * 2 * (cp - 1) // cp,
+    }
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 if __name__ == "__main__":
