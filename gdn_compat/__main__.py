@@ -261,6 +261,7 @@ def details(data: dict[str, Any]) -> list[str]:
         f"  GDN_COMPAT_AUTO            {_auto_line(data['auto'])}",
         f"  FlashQLA (gdn_flashqla)    {data['flashqla']}",
         f"  fused kernels (gdn_fused)  {_fused_status(f)}",
+        f"  GDN context parallel modes {_cp_modes(f, data['patches'])}",
         f"  fla routes to FlashQLA     {f['fla_flashqla_backend']}" + ("   (off: FLA_FLASH_QLA=0)" if f["fla_flashqla_off"] else ""),
     ]
     lines += [f"  note {k}: {why}" for k, why in f["notes"].items()
@@ -275,6 +276,23 @@ def details(data: dict[str, Any]) -> list[str]:
                      + (f" Fix: {item['fix']}" if item["fix"] else "") + (f" ({item['source']})" if item["source"] else "")
                      + (f" Taken away by {item['fixed_by']} where it applies." if item.get("fixed_by") else ""))
     return lines
+
+
+def _cp_modes(f: dict, patches: list[dict]) -> str:
+    """Which GDN context-parallel modes this stack runs: the head all-to-all (the release's on 0.18/0.19, gdn_thd's on
+    0.16/0.17) and passing the state between ranks (gdn_cp_state)."""
+    status = {p["name"]: p for p in patches}
+    thd = status.get("gdn_thd", {})
+    heads = ("the release's" if f["gdn_cp"] == "native" else "gdn_thd's" if thd.get("status") == "would_apply"
+             else "none")
+    state = status.get("gdn_cp_state", {})
+    if state.get("status") == "would_apply":
+        passing = "on"
+    elif "opt-in, off by default" in state.get("reason", ""):
+        passing = "available, apply(gdn_cp_state=True)"
+    else:
+        passing = f"not here ({state.get('reason', 'unknown')})"
+    return f"head all-to-all: {heads}; state passing (gdn_cp_state): {passing}"
 
 
 def main(argv: list[str] | None = None) -> int:

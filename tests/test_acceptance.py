@@ -65,13 +65,14 @@ class Cell(NamedTuple):
     mtp: bool = False  # one MTP layer (its inner layer a GDN + MLP)
     moe: bool = False  # every second MLP a top-2 mixture of 4 experts
     fused: bool = False  # apply(gdn_fused=True): gdn_compat's Triton region (Triton's interpreter on the CPU)
+    state: bool = False  # apply(gdn_cp_state=True): CP passes the delta rule's state between ranks (#56)
 
     def id(self, recompute: bool) -> str:
         return (f"tp{self.tp}-sp{'on' if self.sp else 'off'}-cp{self.cp}-{'full' if recompute else 'none'}"
-                + "-mtp" * self.mtp + "-moe" * self.moe + "-fused" * self.fused)
+                + "-mtp" * self.mtp + "-moe" * self.moe + "-fused" * self.fused + "-state" * self.state)
 
     def switches(self) -> dict:
-        return {"gdn_fused": True} if self.fused else {}
+        return ({"gdn_fused": True} if self.fused else {}) | ({"gdn_cp_state": True} if self.state else {})
 
 
 # MTP cells at cp = 1 and without sp: the MTP layer's norms are megatron's torch norm, which refuses
@@ -85,6 +86,13 @@ CELLS = [Cell(1, False, 1), Cell(2, False, 1), Cell(2, True, 1), Cell(1, False, 
 FUSED = (skip_reason("gdn_fused", gdn_fused=True) is None and os.environ.get("TRITON_INTERPRET") == "1"
          and MEGATRON in ("0.17.1", "0.19.2"))
 CELLS += [Cell(2, True, 1, fused=True), Cell(1, False, 2, fused=True), Cell(1, False, 1, mtp=True, fused=True)] * FUSED
+# gdn_cp_state: cp = 2 passing the state between the ranks. MTP at cp = 2 (either CP mode) only on 0.16: from 0.17 the
+# release weights each rank's MTP loss by its own shard's real tokens over MTP targets, so under CP the objective is
+# not cp = 1's (every gradient ~5e-2 off this reference, the same with the head all-to-all as with gdn_cp_state)
+STATE = skip_reason("gdn_cp_state", gdn_cp_state=True) is None
+MTP_CP = MEGATRON is not None and MEGATRON.startswith("0.16.")
+CELLS += [Cell(1, False, 2, state=True)] * STATE + [Cell(1, False, 2, mtp=True)] * MTP_CP \
+    + [Cell(1, False, 2, mtp=True, state=True)] * (STATE and MTP_CP)
 OUT_NORM = "self_attention.out_norm.weight"
 # 0.18/0.19 without gdn_thd_deterministic: upstream's packed path, CUDA + fla only
 DETERMINISTIC_THD_HOLE = FACTS.gdn_thd == "native" and skip_reason("gdn_thd_deterministic") is not None
@@ -146,9 +154,10 @@ def _run_cell(ref: dict, cell: Cell, recompute: bool, rank_tp: int, rank_cp: int
         for name, p in model.named_parameters():
             p.copy_(M.split(name, ref["state"][name], tp, rank_tp))
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    errors: dict = {"bits": {}, "calls": {"packed": 0, "fused": 0}}
+    errors: dict = {"bits": {}, "calls": {"packed": 0, "fused": 0, "state": 0}}
     import gdn_compat.fused.region as fused_region  # the fused cells must really run gdn_compat's region
     import gdn_compat.patches.gdn_thd as thd
+    from gdn_compat.patches.gdn_thd.kernels import Core  # and the state cells must pass the state
 
     def counting(kind, fn):
         def call(*args, **kwargs):
@@ -165,6 +174,7 @@ def _run_cell(ref: dict, cell: Cell, recompute: bool, rank_tp: int, rank_cp: int
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(fused_region, "region", counting("fused", fused_region.region))
             mp.setattr(thd, "packed_forward", counting("packed", thd.packed_forward))
+            mp.setattr(Core, "state_passing", counting("state", Core.state_passing))
             loss = ddp(input_ids=local(batch["ids"])[None], position_ids=local(batch["positions"])[None],
                        attention_mask=None, labels=local(batch["labels"])[None], packed_seq_params=batch["psp"],
                        **({"loss_mask": local(batch["mask"])[None]} if mtp else {}))
@@ -272,6 +282,9 @@ def judge_training_step(matrix: dict, cell: Cell, recompute: bool) -> None:
     # no other cell's does
     calls = got["calls"]
     assert calls["fused"] == (calls["packed"] if cell.fused else 0) and (calls["packed"] > 0 or not cell.fused), \
+        f"{where}: {calls}"
+    # and every packed GDN call of a gdn_cp_state cell passes the state between the ranks, and no other cell's does
+    assert calls["state"] == (calls["packed"] if cell.state else 0) and (calls["packed"] > 0 or not cell.state), \
         f"{where}: {calls}"
     got = {pack: errs for pack, errs in got.items() if pack not in ("bits", "calls")}
     worst = {pack: max((v, k) for k, v in errs.items() if not k.endswith(OUT_NORM)) for pack, errs in got.items()}
