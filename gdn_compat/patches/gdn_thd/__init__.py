@@ -79,6 +79,8 @@ def packed_forward(layer: Any, core: Core, hidden_states: torch.Tensor, pack: Pa
         return norm_out if pack.inverse is None or passing else cpx.hp2cp(norm_out, pack.inverse, group, cp)
 
     checkpoint = None
+    region: Any
+    why: str | None
     if passing and core.fast.fused:
         region, why = None, "context parallelism that passes the state (gdn_cp_state) runs the unfused region"
     else:
