@@ -78,7 +78,10 @@ def main() -> None:
     if DEVICE == "cuda":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        rule = state_cp.fla_rule(chunk_gated_delta_rule)
+        def rule(q, k, v, g, beta, initial_state, cu):  # fla reads these offsets on the host, in both modes alike
+            offsets = torch.tensor(cu, dtype=torch.int32, device=q.device)
+            return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial_state,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=offsets)
     else:  # a dry run of this script on the CPU: the release's torch rule, one slot at a time
         from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
 

@@ -30,7 +30,7 @@ from gdn_compat._probe import Accepts, Varlen
 from gdn_compat.patches.gdn_thd import context_parallel as cpx
 from gdn_compat.patches.gdn_thd import fast, own
 from gdn_compat.patches.gdn_thd.fast import Fast
-from gdn_compat.patches.gdn_thd.pack import Pack
+from gdn_compat.patches.gdn_thd.pack import Pack, host_pack
 
 
 class _Rule(torch.autograd.Function):
@@ -189,23 +189,28 @@ class Core:
 
     def rule(self, query, key, value, g, beta, pack: Pack):
         """fla's delta rule over the pack, handed its chunk indices where fla takes them."""
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        if self.varlen.rule_chunks is Accepts.YES:
-            out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None,
-                                            output_final_state=False, use_qk_l2norm_in_kernel=False,
-                                            cu_seqlens=pack.cu, chunk_indices=pack.chunks)
-            return out
-        if self.varlen.rule_inner is Accepts.YES:
+        if self.varlen.rule_chunks is not Accepts.YES and self.varlen.rule_inner is Accepts.YES:
             from fla.ops.gated_delta_rule import chunk as fla_chunk
 
             return _Rule.apply(query, key, value, g, beta, key.shape[-1] ** -0.5, pack.cu, pack.chunks,
                                fla_chunk.chunk_gated_delta_rule_fwd, fla_chunk.chunk_gated_delta_rule_bwd)
-        host = {"cu_seqlens_cpu": pack.cu_cpu} if self.varlen.rule_cpu is Accepts.YES else {}
-        out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None,
-                                        output_final_state=False, use_qk_l2norm_in_kernel=False,
-                                        cu_seqlens=pack.cu, **self._host(host, pack, "chunk_gated_delta_rule"))
+        out, _ = self.rule_from(query, key, value, g, beta, pack, None)
         return out
+
+    def rule_from(self, query, key, value, g, beta, pack: Pack, initial_state):
+        """fla's public delta rule over the pack from ``initial_state`` (None: zero): (output, final state, or None
+        without an initial state), handed the pack's chunk indices (or host offsets) so that it reads nothing on the
+        host."""
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        if self.varlen.rule_chunks is Accepts.YES:
+            extra = {"chunk_indices": pack.chunks}
+        else:
+            extra = self._host({"cu_seqlens_cpu": pack.cu_cpu} if self.varlen.rule_cpu is Accepts.YES else {}, pack,
+                               "chunk_gated_delta_rule")
+        return chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                                      output_final_state=initial_state is not None, use_qk_l2norm_in_kernel=False,
+                                      cu_seqlens=pack.cu, **extra)
 
     def conv(self, layer: Any, loc: Local, qkv, pack: Pack):
         from fla.modules.convolution import causal_conv1d
@@ -259,7 +264,11 @@ class Core:
         parallel rank's heads; the conv's halo and the rule's state come from the slots before (``state_cp.py``)."""
         from gdn_compat.patches.gdn_thd import state_cp
 
-        slots = state_cp.Slots.of([end - start for start, end in pack.spans], group.size(), group.rank())
+        key = ("state_cp", group.size(), group.rank(), qkv.device)
+        if key not in pack.memo:  # once per pack: this rank's slots, and a pack of them for fla (host pack only)
+            slots = state_cp.Slots.of([end - start for start, end in pack.spans], group.size(), group.rank())
+            pack.memo[key] = slots, host_pack(slots.cu, qkv.device)
+        slots, pieces = pack.memo[key]
         total = qkv.shape[1]
         x = layer.act_fn(state_cp.conv(qkv[0], loc.conv_w, loc.conv_b, slots, group))[None]
         fla = qkv.is_cuda and (self.fla_deterministic or not layer.config.deterministic_mode)
@@ -272,9 +281,8 @@ class Core:
             fast.note("gdn_flashqla", "context parallelism that passes the state (gdn_cp_state) runs its rule in "
                                       "two passes of fla's or the release's")
         if fla:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-            rule = state_cp.fla_rule(chunk_gated_delta_rule)
+            def rule(q, k, v, g, beta, initial_state, cu):  # cu: the pieces' offsets, which ``pieces`` holds
+                return self.rule_from(q, k, v, g, beta, pieces, initial_state)
         else:  # the CPU, or deterministic_mode with fla kernels that use atomics: the release's torch rule
             rule = state_cp.per_slot(self.release.torch_chunk_gated_delta_rule)
         return state_cp.delta_rule(rule, query, key, value, g, beta, slots, group), gate

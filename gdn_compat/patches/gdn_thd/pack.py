@@ -282,10 +282,14 @@ def rows_pack(length: int, rows: int, cp: int, device: torch.device) -> Pack:
 
 @functools.lru_cache(maxsize=16)
 def _rows_pack(length: int, rows: int, cp: int, device: torch.device, inference: bool) -> Pack:
-    offsets = [i * length for i in range(rows + 1)]
-    cu_cpu = torch.tensor(offsets, dtype=torch.int32)
     perm, inverse = _cp_perm([length], cp, device)
+    return dataclasses.replace(host_pack([i * length for i in range(rows + 1)], device), perm=perm, inverse=inverse)
+
+
+def host_pack(offsets: list[int], device: torch.device) -> Pack:
+    """A pack of non-empty sequences at host ``offsets``, no context parallelism (each batch row of an unpacked
+    input; each of a rank's slots under gdn_cp_state): its offsets and chunk indices copied to ``device`` once."""
+    cu_cpu = torch.tensor(offsets, dtype=torch.int32)
     spans = tuple(zip(offsets, offsets[1:]))
-    chunks = to_device(chunk_indices(cu_cpu, rows * -(-length // CHUNK)), device)
-    return Pack(cu=to_device(cu_cpu, device), cu_cpu=cu_cpu, spans=spans, ends=tuple(offsets[1:]), chunks=chunks,
-                perm=perm, inverse=inverse)
+    chunks = to_device(chunk_indices(cu_cpu, sum(-(-(b - a) // CHUNK) for a, b in spans)), device)
+    return Pack(cu=to_device(cu_cpu, device), cu_cpu=cu_cpu, spans=spans, ends=tuple(offsets[1:]), chunks=chunks)

@@ -23,8 +23,8 @@ state visits ranks 0, 1, .., cp-1, cp-1, .., 1, 0.
 
 Gradients go through autograd: the rule's (through its initial and final states), the chain's matmuls, and the
 gathers, whose backward sums the gradient every rank has for each slot (one all_reduce). ``rule`` is any delta
-rule with initial and final states over a varlen pack (fla's ``chunk_gated_delta_rule``, or the release's torch rule
-one slot at a time, ``per_slot``).
+rule with initial and final states over a varlen pack (fla's ``chunk_gated_delta_rule`` as ``kernels.Core`` calls it,
+or the release's torch rule one slot at a time, ``per_slot``).
 """
 
 from __future__ import annotations
@@ -76,10 +76,6 @@ class Slots:
         for h in self.halves:
             cu += [cu[-1] + h, cu[-1] + 2 * h]
         return cu
-
-    @property
-    def local_tokens(self) -> int:
-        return sum(self.lengths) // self.cp
 
     def order(self) -> list[tuple[int, int]]:
         """(rank, part) of slots 0 .. 2cp-1: the ranks a sequence's state visits."""
@@ -158,11 +154,10 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slots
     return out[keep.to(out.device)]
 
 
-def start_states(A: torch.Tensor, B: torch.Tensor, slots: Slots, h0: torch.Tensor | None = None) -> torch.Tensor:
+def start_states(A: torch.Tensor, B: torch.Tensor, slots: Slots) -> torch.Tensor:
     """The state each of this rank's pieces starts from, ``[P, H, K, V]``: every rank's ``A`` ``[cp, P, H, K, K]``
-    and ``B`` ``[cp, P, H, K, V]`` chained over the 2cp slots of each sequence (from ``h0`` ``[N, H, K, V]``, or
-    zero)."""
-    state = h0 if h0 is not None else B.new_zeros(B.shape[1] // 2, *B.shape[2:])
+    and ``B`` ``[cp, P, H, K, V]`` chained over the 2cp slots of each sequence, from zero."""
+    state = B.new_zeros(B.shape[1] // 2, *B.shape[2:])
     mine: list[torch.Tensor | None] = [None, None]
     for rank, part in slots.order():
         if rank == slots.rank:
@@ -214,16 +209,5 @@ def per_slot(release_rule: Callable[..., Any]) -> Rule:
             outs.append(o)
             finals.append(s)
         return torch.cat(outs, dim=1), torch.cat(finals)
-
-    return rule
-
-
-def fla_rule(chunk_gated_delta_rule: Callable[..., Any]) -> Rule:
-    """``rule`` from fla's varlen ``chunk_gated_delta_rule``."""
-
-    def rule(q, k, v, g, beta, initial_state, cu):
-        offsets = torch.tensor(cu, dtype=torch.int32, device=q.device)
-        return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
-                                      use_qk_l2norm_in_kernel=False, cu_seqlens=offsets)
 
     return rule
