@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from gdn_compat.fused import reference as R
 from gdn_compat.patches.gdn_thd import state_cp
-from tests.support.gdn import offsets, shard
+from tests.support.gdn import err_of, offsets, shard, unshard
 from tests.support.release import FACTS, MEGATRON
 
 # The math borrows only the release's torch rule: one release (0.19.2); the layer: one release per GDN generation
@@ -75,11 +75,6 @@ def release_torch_rule():
     return gated_delta_net.torch_chunk_gated_delta_rule
 
 
-def err_of(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative distance in the 2-norm, in float64."""
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def _rank(rank: int, cp: int, port: int, path: str, lengths: list[int]) -> None:
     import torch.distributed as dist
 
@@ -105,21 +100,6 @@ def _rank(rank: int, cp: int, port: int, path: str, lengths: list[int]) -> None:
             torch.save(every, path)
     finally:
         dist.destroy_process_group()
-
-
-def unshard(parts: list[torch.Tensor], lengths: list[int], cp: int) -> torch.Tensor:
-    """The whole pack from every rank's shard (the inverse of ``shard``)."""
-    out = []
-    starts = [0] * cp
-    for n in lengths:
-        h = n // (2 * cp)
-        slots = [None] * (2 * cp)
-        for r in range(cp):
-            slots[r] = parts[r][starts[r]:starts[r] + h]
-            slots[2 * cp - 1 - r] = parts[r][starts[r] + h:starts[r] + 2 * h]
-            starts[r] += 2 * h
-        out += slots
-    return torch.cat(out)
 
 
 def test_a_length_that_is_not_a_multiple_of_2cp_is_refused_with_its_value():

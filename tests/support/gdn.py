@@ -42,9 +42,27 @@ def shard(x: torch.Tensor, lengths: list[int], cp: int, rank: int) -> torch.Tens
     return torch.cat(out)
 
 
+def unshard(parts: list[torch.Tensor], lengths: list[int], cp: int) -> torch.Tensor:
+    """The whole pack from every rank's shard (the inverse of ``shard``)."""
+    out, starts = [], [0] * cp
+    for n in lengths:
+        h, slots = n // (2 * cp), [None] * (2 * cp)
+        for r in range(cp):
+            slots[r] = parts[r][starts[r]:starts[r] + h]
+            slots[2 * cp - 1 - r] = parts[r][starts[r] + h:starts[r] + 2 * h]
+            starts[r] += 2 * h
+        out += slots
+    return torch.cat(out)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative error in the 2-norm, in fp32."""
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def err_of(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative distance in the 2-norm, in float64 (for distances from a float64 truth)."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def host_syncs(step) -> list[str]:

@@ -78,9 +78,10 @@ def moe_without_te() -> None:
 
 @contextlib.contextmanager
 def world(rank: int = 0, size: int = 1, *, tp: int = 1, cp: int = 1, port: int | None = None,
-          cuda: bool = False) -> Iterator[str]:
-    """A process group (gloo on the CPU with the stand-ins, NCCL with ``cuda``) and megatron's
-    model-parallel state; yields the device name. Destroyed on exit."""
+          cuda: bool = False, backend: str | None = None) -> Iterator[str]:
+    """A process group (gloo on the CPU with the stand-ins, NCCL with ``cuda``; ``backend='gloo'`` with ``cuda``
+    lets several ranks share one GPU, rank r on GPU r % count) and megatron's model-parallel state; yields the
+    device name. Destroyed on exit."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -90,11 +91,11 @@ def world(rank: int = 0, size: int = 1, *, tp: int = 1, cp: int = 1, port: int |
     with contextlib.ExitStack() as stack:
         stack.callback(suite_records.log_imports)  # every rank's imports count for the heavy-suite records
         if cuda:
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         else:
             stack.enter_context(cpu_stand_ins())
         if not dist.is_initialized():
-            backend = "nccl" if cuda else "gloo"
+            backend = backend or ("nccl" if cuda else "gloo")
             if size == 1:  # no TCP port to race for with other processes on the machine
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             else:
