@@ -66,10 +66,14 @@ class Patch:
     target: Target
     decide: Callable[[Facts], str | None]
     build: Callable[[Facts, Any], Any]
-    summary: str
+    summary: str | Callable[[Facts], str]  # what it changes (or decided from the facts)
     requires: tuple[str, ...] | Callable[[Facts], tuple[str, ...]] = ()  # or decided from the facts
     opt_in: bool = False
     adds: bool = False  # the target is a method the release lacks: added, and deleted again on revert
+
+    def says(self, facts: Facts) -> str:
+        """The summary for these facts."""
+        return self.summary(facts) if callable(self.summary) else self.summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +246,7 @@ class Registry:
             if hasattr(owner, patch.target.attr):
                 return record("skipped", patch.decide(facts) or f"not patched: {patch.target} already exists")
             reason = patch.decide(facts)
-            return record("skipped", reason) if reason else record("would_apply", patch.summary)
+            return record("skipped", reason) if reason else record("would_apply", patch.says(facts))
         if not hasattr(owner, patch.target.attr):  # nothing to replace: the release's own reason, no force offer
             return record("skipped", patch.decide(facts) or f"not patched: {patch.target} does not exist")
         # Our own replacement (another patch of this registry on the same target) is judged by the
@@ -256,7 +260,7 @@ class Registry:
         reason = patch.decide(facts)
         if reason is not None:
             return record("skipped", reason)
-        return record("would_apply", patch.summary + (f" (forced over {describe(current)})" if other else ""))
+        return record("would_apply", patch.says(facts) + (f" (forced over {describe(current)})" if other else ""))
 
     def apply(self, facts: Facts, off: dict[str, str], force: frozenset[str] = frozenset()) -> list[Record]:
         with self.lock:

@@ -51,8 +51,19 @@ BOUND = 1e-5
 GATE_BOUND, GATES = 1e-4, ("self_attention.A_log", "self_attention.dt_bias")
 
 
-def bound(name: str) -> float:
-    return GATE_BOUND if name.endswith(GATES) else BOUND
+# The 9-head state-passing cell's gates: 4.9e-4 measured (0.17.1 and 0.19.2, padded pack, layer 0; every other
+# gradient within 1e-5). The reference shares cp = 1's rounding (the release's fp32 torch rule over each whole
+# sequence), the state-passing rule rounds its own way (transitions chained across slots), and a sum of cancelling
+# per-token terms magnifies the difference: cp = 1 on this shape is 2.8e-5 from the reference (layer 2: 1.1e-4).
+# Which is nearer the truth is measured at the layer against float64 (tests/test_cp_state.py, 3 / 9 heads, cp = 2,
+# checked 2026-12-06): state passing's A_log gradient 1.8e-6 from it, cp = 1's 6.2e-6.
+ODD_GATE_BOUND = 1e-3
+
+
+def bound(name: str, cell: Cell | None = None) -> float:
+    if name.endswith(GATES):
+        return ODD_GATE_BOUND if cell is not None and cell.odd else GATE_BOUND
+    return BOUND
 PACKS = {"mixed": ([1, 7, 16, 3, 9], None), "padded": ([5, 13, 1, 6], [8, 16, 4, 8])}
 
 
@@ -66,10 +77,15 @@ class Cell(NamedTuple):
     moe: bool = False  # every second MLP a top-2 mixture of 4 experts
     fused: bool = False  # apply(gdn_fused=True): gdn_compat's Triton region (Triton's interpreter on the CPU)
     state: bool = False  # apply(gdn_cp_state=True): CP passes the delta rule's state between ranks (#56)
+    odd: bool = False  # 3 key / 9 value heads, which do not divide cp = 2 (the config too holds cp = 2)
 
     def id(self, recompute: bool) -> str:
         return (f"tp{self.tp}-sp{'on' if self.sp else 'off'}-cp{self.cp}-{'full' if recompute else 'none'}"
-                + "-mtp" * self.mtp + "-moe" * self.moe + "-fused" * self.fused + "-state" * self.state)
+                + "-mtp" * self.mtp + "-moe" * self.moe + "-fused" * self.fused + "-state" * self.state
+                + "-9heads" * self.odd)
+
+    def shape(self) -> dict:
+        return ODD_SHAPE if self.odd else M.SHAPE
 
     def switches(self) -> dict:
         return ({"gdn_fused": True} if self.fused else {}) | ({"gdn_cp_state": True} if self.state else {})
@@ -93,6 +109,10 @@ STATE = skip_reason("gdn_cp_state", gdn_cp_state=True) is None
 MTP_CP = MEGATRON is not None and MEGATRON.startswith("0.16.")
 CELLS += [Cell(1, False, 2, state=True)] * STATE + [Cell(1, False, 2, mtp=True)] * MTP_CP \
     + [Cell(1, False, 2, mtp=True, state=True)] * (STATE and MTP_CP)
+# gdn_cp_state with heads that do not divide cp, configured as a user configures them (TransformerConfig at cp = 2:
+# config_gdn_cp narrows 0.18/0.19's heads check to tp; 0.16/0.17 check tp alone)
+ODD_SHAPE = dict(M.SHAPE, hk=3, hv=9)  # (3 / 3 gave a layer gate gradients of norm ~5e-6: no measure)
+CELLS += [Cell(1, False, 2, state=True, odd=True)] * STATE
 OUT_NORM = "self_attention.out_norm.weight"
 # 0.18/0.19 without gdn_thd_deterministic: upstream's packed path, CUDA + fla only
 DETERMINISTIC_THD_HOLE = FACTS.gdn_thd == "native" and skip_reason("gdn_thd_deterministic") is not None
@@ -113,9 +133,9 @@ def _reference(path: str) -> None:
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     out = {}
-    for mtp, moe in sorted({(c.mtp, c.moe) for c in CELLS}):  # gdn_fused cells share the reference
-        model = M.build(M.config(deterministic=True, mtp=mtp, moe=moe))
-        ref = out[mtp, moe] = {"state": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    for mtp, moe, odd in sorted({(c.mtp, c.moe, c.odd) for c in CELLS}):  # gdn_fused cells share the reference
+        model = M.build(M.config(deterministic=True, mtp=mtp, moe=moe, shape=ODD_SHAPE if odd else None))
+        ref = out[mtp, moe, odd] = {"state": {n: p.detach().clone() for n, p in model.named_parameters()}}
         for name, (lengths, padded) in PACKS.items():
             batch = M.packed_batch(lengths, padded)
             model.zero_grad(set_to_none=True)
@@ -146,8 +166,8 @@ def _run_cell(ref: dict, cell: Cell, recompute: bool, rank_tp: int, rank_cp: int
     from tests.support.gdn import shard
 
     tp, sp, cp, mtp, moe = cell.tp, cell.sp, cell.cp, cell.mtp, cell.moe
-    ref = ref[mtp, moe]
-    cfg = M.config(tp=tp, sp=sp, cp=cp, recompute=recompute, deterministic=True, mtp=mtp, moe=moe)
+    ref = ref[mtp, moe, cell.odd]
+    cfg = M.config(tp=tp, sp=sp, cp=cp, recompute=recompute, deterministic=True, mtp=mtp, moe=moe, shape=cell.shape())
     model = M.build(cfg)
     M.check_layout(model, tp)
     with torch.no_grad():
@@ -291,7 +311,7 @@ def judge_training_step(matrix: dict, cell: Cell, recompute: bool) -> None:
     print(f"\n[acceptance {where}] worst rel error (excluding out_norm): "
           + ", ".join(f"{p} {v:.1e} ({k})" for p, (v, k) in worst.items()))
     for pack, errs in got.items():
-        bad = {k: v for k, v in errs.items() if v > bound(k) and not k.endswith(OUT_NORM)}
+        bad = {k: v for k, v in errs.items() if v > bound(k, cell) and not k.endswith(OUT_NORM)}
         assert not bad, f"{where} {pack}: {bad}"
     out_norm = {f"{pack} {k}": v for pack, errs in got.items() for k, v in errs.items() if k.endswith(OUT_NORM)}
     if cell.tp > 1 and not cell.sp and skip_reason("gdn_out_norm_tp_grad") is not None:

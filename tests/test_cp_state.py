@@ -132,10 +132,10 @@ def test_state_passed_between_ranks_is_as_close_to_the_float64_truth_as_cp1(cp):
 
 
 # The layer, as a user runs it: apply(gdn_cp_state=True), megatron's load-balanced THD shards with padding and a
-# zero-length entry, 3 key / 6 value heads (neither divides cp = 4, nor do the key heads cp = 2), deterministic_mode
+# zero-length entry, 3 key / 9 value heads (neither divides cp = 2 or 4), deterministic_mode
 # (the release's torch rule: what runs on a CPU)
-LAYER = dict(hidden=32, dk=8, dv=8, hk=3, hv=6)
-LAYER_CFG = dict(dk=8, dv=8, hk=3, hv=6, kernel=4, eps=1e-5)
+LAYER = dict(hidden=32, dk=8, dv=8, hk=3, hv=9)  # divide neither cp = 2 nor cp = 4
+LAYER_CFG = dict(dk=8, dv=8, hk=3, hv=9, kernel=4, eps=1e-5)
 LAYER_PACKS = {2: ([0, 5, 20, 20, 27], [0, 8, 24, 24, 32]), 4: ([0, 5, 21, 21, 40], [0, 8, 24, 24, 48])}
 
 

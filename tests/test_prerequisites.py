@@ -73,7 +73,7 @@ def needs_fla() -> set[str]:
         return {"gdn_thd", "gdn_thd_unpacked", "gdn_fused", "gdn_flashqla", "gdn_cp_state", "config_gdn_cp"}
     per_sequence = {"gdn_thd_cp_fused"} if FACTS.gdn_cp_per_sequence else set()  # 0.18
     return {"gdn_thd_deterministic", "gdn_thd_graph_safe", "gdn_thd_zero_length", "gdn_fused", "gdn_flashqla",
-            "gdn_cp_state", *per_sequence}
+            "gdn_cp_state", "config_gdn_cp", *per_sequence}  # 0.18/0.19: config_gdn_cp needs gdn_cp_state
 
 
 def without_fla():

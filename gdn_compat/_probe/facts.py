@@ -155,6 +155,7 @@ class Facts:
     gdn_backward_dw: Accepts = Accepts.ABSENT  # GatedDeltaNet.backward_dw (MoE EP overlap calls it; 0.17.0+)
     gdn_thd_deterministic: Accepts = Accepts.ABSENT  # native THD forward runs in deterministic_mode (NO: asserts)
     config_refuses_gdn_cp: bool = False  # TransformerConfig asserts cp == 1 for gated_delta_net
+    config_gdn_heads_divide_cp: bool = False  # it asserts GDN's key and value heads divide tp x cp (0.18/0.19)
     gdn_out_norm_tp_sum: Accepts = Accepts.ABSENT  # finalize_model_grads sums GDN out_norm grads over tp
     mtp: Mtp = Mtp.ABSENT
     mtp_roll: Roll = Roll.ABSENT  # the MTP roll of a packed micro-batch

@@ -17,6 +17,7 @@ Calls at cp = 1, unpacked calls and inference are the route below (the release's
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from gdn_compat._probe import GDN_MODULE, Facts
@@ -30,8 +31,30 @@ def decide(facts: Facts) -> str | None:
     return carrier_skip(facts)
 
 
+def split_refusal(layer: Any) -> str | None:
+    """Why ``layer`` cannot split its heads across its context-parallel ranks (None: it can, or cp = 1). With
+    gdn_cp_state the config may hold heads that do not divide tp x cp (config_gdn_cp on 0.18/0.19; 0.16/0.17 check tp
+    alone): only the calls that pass the state run those."""
+    cp = cpx.size_of(layer)
+    tp, hk, hv = layer.tp_size, layer.num_key_heads, layer.num_value_heads
+    if cp == 1 or not (hk % (tp * cp) or hv % (tp * cp)):
+        return None
+    return (f"gdn_compat gdn_cp_state: this GatedDeltaNet call would split heads across the {cp} context-parallel "
+            f"ranks, but its {hk} key and {hv} value heads do not divide tp x cp = {tp} x {cp}; only packed "
+            f"(qkv_format='thd') training calls pass the state with every head (an unpacked call, inference, another "
+            f"kernel backend or a layer whose release methods are replaced take the release's head all-to-all). Pack "
+            f"the micro-batch, or use heads that divide tp x cp")
+
+
 def build(facts: Facts, original: Any) -> Any:
-    return route(facts, original, lambda layer: True, Fast(state_cp=True),
+    @functools.wraps(original)
+    def release(self, *args, **kwargs):  # the calls that do not pass the state: refused where heads cannot split
+        why = split_refusal(self)
+        if why is not None:
+            raise ValueError(why)
+        return original(self, *args, **kwargs)
+
+    return route(facts, release, lambda layer: True, Fast(state_cp=True),
                  wants=lambda layer, pack: cpx.size_of(layer) > 1)
 
 
