@@ -56,6 +56,9 @@ def test_gdn_context_parallel_in_the_layer_and_in_the_config():
     assert FACTS.gdn_cp == expected["gdn_cp"]
     assert FACTS.config_refuses_gdn_cp is expected["config"]
     assert FACTS.gdn_init_cp_comm_type is expected["comm"]
+    # 0.18/0.19 assert that GDN's key and value heads divide tp x cp (config_gdn_cp narrows that with gdn_cp_state)
+    if release != "0.20":  # main not checked since
+        assert FACTS.config_gdn_heads_divide_cp is (expected["gdn_cp"] == "native")
 
 
 def test_the_gate_exp_is_written_in_the_parameter_dtype_in_its_own_compiled_method_from_0_18():
