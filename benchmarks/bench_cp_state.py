@@ -1,8 +1,8 @@
 """CP that passes the state (gdn_cp_state, #56) against head-split CP and no CP, for the delta rule, on one GPU.
 
 Until several GPUs are lent, each rank's share runs in turn on one GPU: its two slots of one document (T / cp tokens,
-every head) through ``state_cp.transitions`` and ``state_cp.finish`` (fla's rule, forward + backward), the
-all_gather replaced by the stack of every rank's transitions computed in the same process. Against it: the rule on
+every head) through ``state_cp.local_pass`` and ``state_cp.corrected`` (fla's rule, forward + backward), the
+all_gather replaced by the stack of every rank's final states computed in the same process. Against it: the rule on
 the whole document with every head (no CP), and with ``heads / cp`` of them (head-split CP's per-rank work; its two
 all-to-alls are counted in bytes, not run). Numerics: the state-passing output and the whole-document output, both
 bf16, against fla's rule in fp32 on the whole document.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -87,6 +88,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-numerics", action="store_true", help="skip the fp32 comparison (long documents)")
     ap.add_argument("--no-whole", action="store_true", help="skip the no-CP run (a document that does not fit)")
+    ap.add_argument("--two-pass", action="store_true", help="also time the first version (a second run of the rule "
+                                                             "from the chained states instead of the correction)")
     args = ap.parse_args()
     if DEVICE == "cuda":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -132,15 +135,21 @@ def whole(rule, d: dict, heads: int | None = None) -> None:
 
 def measure(rule, d: dict, length: int, cp: int, args) -> dict:
     t0 = time.perf_counter()
+
+    def say(what: str) -> None:  # where it is (the first call of a shape compiles fla's kernels for minutes)
+        print(f"  [{length} cp={cp} {time.perf_counter() - t0:.0f} s] {what}", file=sys.stderr, flush=True)
+
+    say("every rank's final states")
     slots = [state_cp.Slots.of([length], cp, r) for r in range(cp)]
     local = [{n: shard(t, cp, r) for n, t in d.items()} for r in range(cp)]
     row: dict = {"length": length, "cp": cp}
     # numerics (forward): every rank's share, chained in process, against fp32 on the whole document
     with torch.no_grad():
-        every = torch.stack([state_cp.transitions(rule, *(x[n] for n in NAMES), s) for x, s in zip(local, slots)])
+        every = torch.stack([state_cp.local_pass(rule, *(x[n] for n in NAMES), s)[1] for x, s in zip(local, slots)])
         if not args.no_numerics:
+            say("numerics against fp32")
             try:
-                o_cp = unshard([state_cp.finish(rule, *(x[n] for n in NAMES), s, every)
+                o_cp = unshard([state_cp.corrected(state_cp.local_pass(rule, *(x[n] for n in NAMES), s)[0], every, s)
                                 for x, s in zip(local, slots)], cp)
                 o_bf16, _ = rule(*(d[n] for n in NAMES), None, [0, length])
                 truth, _ = rule(*(d[n].float() for n in NAMES), None, [0, length])
@@ -153,14 +162,27 @@ def measure(rule, d: dict, length: int, cp: int, args) -> dict:
     x0 = {n: t.detach().requires_grad_(True) for n, t in local[0].items()}
 
     def rank_step() -> None:  # rank 0's share, forward + backward (every rank's share is the same size)
-        own = state_cp.transitions(rule, *(x0[n] for n in NAMES), slots[0])
-        o = state_cp.finish(rule, *(x0[n] for n in NAMES), slots[0], torch.cat([own[None], every[1:]]))
+        wide, own = state_cp.local_pass(rule, *(x0[n] for n in NAMES), slots[0])
+        o = state_cp.corrected(wide, torch.cat([own[None], every[1:]]), slots[0])
         o.backward(torch.ones_like(o))
 
+    def rank_step_two_pass() -> None:  # the first version: the rule run again from the chained start states
+        _, own = state_cp.local_pass(rule, *(x0[n] for n in NAMES), slots[0])
+        both = torch.cat([own[None], every[1:]])
+        B, A = both.split([args.dv, args.dk], dim=-1)
+        o, _ = rule(*(x0[n] for n in NAMES), state_cp.start_states(A, B, slots[0]), slots[0].cu)
+        o.backward(torch.ones_like(o))
+
+    say("state passing, one rank")
     row["state_passing_rank"] = guarded(rank_step)
+    if args.two_pass:
+        say("state passing in two passes (the first version), one rank")
+        row["state_passing_two_pass_rank"] = guarded(rank_step_two_pass)
     if not args.no_whole:
+        say("no CP")
         row["no_cp"] = guarded(lambda: whole(rule, d))
     if args.heads % cp == 0:
+        say("head-split CP, one rank")
         row["head_split_rank"] = guarded(lambda: whole(rule, d, args.heads // cp))
     # bytes a rank sends: state passing, its two slots' [B, A] in fp32 (the all_gather); head-split, q/k/v/z/b/a of
     # its T / cp tokens for the other ranks' heads (bf16) and its heads' outputs back (q/k counted at v's heads: a

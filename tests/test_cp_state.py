@@ -107,6 +107,20 @@ def test_a_length_that_is_not_a_multiple_of_2cp_is_refused_with_its_value():
         state_cp.Slots.of([8, 6], 2, 0)
 
 
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_each_token_is_carried_by_the_start_state_of_its_own_slot(cp):
+    """``carried`` batches slots of similar lengths (padding a short one): every token must still meet its own slot's
+    start state. Against a loop over the slots; lengths from 1 to 40 tokens a slot, a zero-length entry."""
+    lengths = [2 * cp * n for n in (40, 1, 0, 3, 17, 2, 9, 40, 5)]
+    slots = state_cp.Slots.of(lengths, cp, cp - 1)
+    cu = slots.cu
+    gen = torch.Generator().manual_seed(cp)
+    carry = torch.randn(cu[-1], HEADS, DK, generator=gen, dtype=torch.float64)
+    start = torch.randn(len(cu) - 1, HEADS, DK, DV, generator=gen, dtype=torch.float64)
+    want = torch.cat([torch.einsum("thk,hkv->thv", carry[a:b], start[p]) for p, (a, b) in enumerate(zip(cu, cu[1:]))])
+    torch.testing.assert_close(state_cp.carried(carry, start, slots), want, rtol=1e-12, atol=1e-12)
+
+
 @ONE_RELEASE
 @pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release} has no GatedDeltaNet (its torch rule)")
 @pytest.mark.parametrize("cp", [2, 4])

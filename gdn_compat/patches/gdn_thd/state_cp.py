@@ -14,12 +14,14 @@ state visits ranks 0, 1, .., cp-1, cp-1, .., 1, 0.
   ``width - 1`` tokens of its slots; every rank chains them (a slot shorter than the halo takes the rest from the
   slots before it). One small all_gather.
 * **The delta rule** ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T`` (state ``[K, V]`` per
-  head) is affine in the state a slot starts from: its final state is ``A S_in + B``, with ``A`` ``[K, K]`` the
-  product of the slot's transitions and ``B`` ``[K, V]`` its state from a zero start. One run of the rule per rank
-  gives both for all its slots (values ``[v, 0]``, initial state ``[0, I]``: the final state is ``[B, A]``); one
-  all_gather exchanges them (``2 x (K + V) x K`` numbers per head and sequence from each rank, whatever the
-  sequence's length); every rank chains its sequences' 2cp slots to the states its own slots start from and runs
-  its slots again from them.
+  head) is affine in the state a slot starts from: ``S_t = P_t S_in + S_t^0``, with ``P_t`` ``[K, K]`` the product
+  of the slot's transitions up to ``t`` and ``S_t^0`` its state from a zero start; its output ``o_t = scale S_t^T q_t``
+  is then ``o_t^0 + (scale P_t^T q_t)^T S_in``. One run of the rule per rank, values ``[v, 0]`` from initial state
+  ``[0, I]``, gives all of it for all its slots: outputs ``[o^0, scale P^T q]`` and final states ``[S^0, P]``
+  (``B`` and ``A`` below). One all_gather exchanges the final states (``2 x (K + V) x K`` numbers per head and
+  sequence from each rank, whatever the sequence's length); every rank chains its sequences' 2cp slots to the
+  states ``S_in`` its own slots start from and adds each token's ``(scale P_t^T q_t)^T S_in`` (a ``[K] x [K, V]``
+  product per token and head, fp32): no second run of the rule.
 
 Gradients go through autograd: the rule's (through its initial and final states), the chain's matmuls, and the
 gathers, whose backward sums the gradient every rank has for each slot (one all_reduce). ``rule`` is any delta
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -175,24 +178,66 @@ def delta_rule(rule: Rule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     (repeated to v's heads), ``v`` ``[1, T, H, V]``, ``g``/``beta`` ``[1, T, H]`` -> ``o`` ``[1, T, H, V]``."""
     if len(slots.cu) == 1:
         return v * 0
-    return finish(rule, q, k, v, g, beta, slots, gather(transitions(rule, q, k, v, g, beta, slots), group))
+    wide, final = local_pass(rule, q, k, v, g, beta, slots)
+    return corrected(wide, gather(final, group), slots)
 
 
-def transitions(rule: Rule, q, k, v, g, beta, slots: Slots) -> torch.Tensor:
-    """``[P, H, K, V + K]``: each of this rank's pieces' ``[B, A]``, from one run of the rule from ``[0, I]`` with
-    values ``[v, 0]``."""
+def local_pass(rule: Rule, q, k, v, g, beta, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule over this rank's pieces from ``[0, I]`` with values ``[v, 0]``: outputs ``[1, T, H, V + K]``
+    (``[o^0, scale P^T q]``) and final states ``[P, H, K, V + K]`` (each piece's ``[B, A]``)."""
     pieces, heads, dk, dv = len(slots.cu) - 1, v.shape[2], k.shape[-1], v.shape[-1]
     eye = torch.eye(dk, device=v.device, dtype=torch.float32).expand(pieces, heads, dk, dk)
     start = torch.cat([eye.new_zeros(pieces, heads, dk, dv), eye], dim=-1)
-    _, final = rule(q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1), g, beta, start, slots.cu)
-    return final
+    return rule(q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1), g, beta, start, slots.cu)
 
 
-def finish(rule: Rule, q, k, v, g, beta, slots: Slots, every: torch.Tensor) -> torch.Tensor:
-    """This rank's output, run from the states chained from ``every`` rank's ``transitions`` ``[cp, P, H, K, V+K]``."""
-    B, A = every.split([v.shape[-1], k.shape[-1]], dim=-1)
-    out, _ = rule(q, k, v, g, beta, start_states(A, B, slots), slots.cu)
-    return out
+def corrected(wide: torch.Tensor, every: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """This rank's output ``[1, T, H, V]`` (``wide``'s dtype): its ``local_pass`` outputs ``wide``, each token's
+    ``o^0`` plus its ``(scale P^T q)^T S_in``, the start states chained from ``every`` rank's final states
+    ``[cp, P, H, K, V + K]``."""
+    dk = every.shape[-2]
+    B, A = every.split([every.shape[-1] - dk, dk], dim=-1)
+    zero, carry = wide.split([every.shape[-1] - dk, dk], dim=-1)
+    exact = torch.promote_types(wide.dtype, torch.float32)
+    start = start_states(A, B, slots).to(exact)
+    return (zero.to(exact) + carried(carry[0].to(exact), start, slots)[None]).to(wide.dtype)
+
+
+def carried(carry: torch.Tensor, start: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """``[T, H, V]``: every token's ``carry`` ``[T, H, K]`` times the start state ``[H, K, V]`` of its piece
+    (``start`` ``[P, H, K, V]``), as a few batched products over pieces of similar lengths."""
+    groups, inverse = _carry_layout(slots)
+    device = carry.device
+    rows = [torch.einsum("plhk,phkv->plhv", carry[index.to(device)], start[pieces.to(device)]).flatten(0, 1)
+            for pieces, index in groups]
+    return (rows[0] if len(rows) == 1 else torch.cat(rows))[inverse.to(device)]
+
+
+@lru_cache(maxsize=64)
+def _carry_layout(slots: Slots) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Host index tensors for ``carried``: the pieces in groups whose lengths are within a factor of two of the
+    group's longest (so padding at most doubles a group's rows), each group's ``[G, L]`` token index (a short piece's
+    padding repeats its last token), and where each token's row lands in the groups' rows laid end to end."""
+    cu = slots.cu
+    n = [b - a for a, b in zip(cu, cu[1:])]
+    grouped: list[list[int]] = []
+    for p in sorted(range(len(n)), key=lambda p: -n[p]):
+        if grouped and n[grouped[-1][0]] <= 2 * n[p]:
+            grouped[-1].append(p)
+        else:
+            grouped.append([p])
+    inverse = torch.empty(cu[-1], dtype=torch.long)
+    groups, offset = [], 0
+    for pieces in grouped:
+        width = n[pieces[0]]
+        first, lengths = torch.tensor([cu[p] for p in pieces]), torch.tensor([n[p] for p in pieces])
+        steps = torch.arange(width)
+        index = first[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)
+        real = steps[None, :] < lengths[:, None]
+        inverse[index[real]] = offset + torch.arange(len(pieces) * width).reshape(len(pieces), width)[real]
+        groups.append((torch.tensor(pieces), index))
+        offset += len(pieces) * width
+    return groups, inverse
 
 
 def per_slot(release_rule: Callable[..., Any]) -> Rule:
