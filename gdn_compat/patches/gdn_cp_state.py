@@ -5,8 +5,9 @@ with an all-to-all, so each rank runs whole sequences for ``value heads / (tp x 
 a tensor-parallel rank holds, and every rank runs every token through the rule. With this switch on, a packed
 (``qkv_format='thd'``) call at cp > 1 keeps each rank's own tokens, in megatron's load-balanced THD CP layout, with
 all of its tensor-parallel rank's heads: the conv takes its halo from the slots before, and the delta rule's state
-crosses slots and ranks (``gdn_thd/state_cp.py``: each rank's slot transitions and states, one all_gather, the chain,
-a second pass from the chained states). Upstream's dev branch has a mode like it (Megatron-LM #3282,
+crosses slots and ranks (``gdn_thd/state_cp.py``: one run of the rule per rank gives its slots' outputs from a zero
+state, their transitions and final states; one all_gather, the chain, and each token's correction from the state its
+slot starts from). Upstream's dev branch has a mode like it (Megatron-LM #3282,
 ``linear_cp_mode='chunkwise'``, which refuses zero-length offsets entries); fla >= 0.6 has CP operators for the rule
 (fla PR #691) that this path does not use yet.
 
@@ -36,9 +37,9 @@ def split_refusal(layer: Any) -> str | None:
     gdn_cp_state the config may hold heads that do not divide tp x cp (config_gdn_cp on 0.18/0.19; 0.16/0.17 check tp
     alone): only the calls that pass the state run those."""
     cp = cpx.size_of(layer)
-    tp, hk, hv = layer.tp_size, layer.num_key_heads, layer.num_value_heads
-    if cp == 1 or not (hk % (tp * cp) or hv % (tp * cp)):
+    if cp == 1 or cpx.heads_divide(layer, cp):
         return None
+    tp, hk, hv = layer.tp_size, layer.num_key_heads, layer.num_value_heads
     return (f"gdn_compat gdn_cp_state: this GatedDeltaNet call would split heads across the {cp} context-parallel "
             f"ranks, but its {hk} key and {hv} value heads do not divide tp x cp = {tp} x {cp}; only packed "
             f"(qkv_format='thd') training calls pass the state with every head (an unpacked call, inference, another "

@@ -83,3 +83,9 @@ def group_of(layer) -> Any:
 def size_of(layer) -> int:
     group = group_of(layer)
     return group.size() if group is not None else 1
+
+
+def heads_divide(layer, cp: int) -> bool:
+    """Whether the layer's key and value heads split evenly across tp x cp ranks (what the head all-to-all needs)."""
+    tp = layer.tp_size
+    return not (layer.num_key_heads % (tp * cp) or layer.num_value_heads % (tp * cp))

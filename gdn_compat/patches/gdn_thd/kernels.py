@@ -136,7 +136,7 @@ class Local:
 
 def local_view(layer: Any, cp: int, rank: int) -> Local:
     tp, hk, hv = layer.tp_size, layer.num_key_heads, layer.num_value_heads
-    if hk % (tp * cp) or hv % (tp * cp):
+    if not cpx.heads_divide(layer, cp):
         raise ValueError(f"gdn_compat: GatedDeltaNet heads must divide by tp x cp = {tp} x {cp}; got "
                          f"{hk} key heads and {hv} value heads")
     qk, v = layer.qk_dim // tp, layer.v_dim // tp
@@ -279,7 +279,7 @@ class Core:
         g, beta = self.gate(layer, g_and_beta)(loc.A_log, loc.dt_bias, alpha, beta)
         if self.fast.flashqla:
             fast.note("gdn_flashqla", "context parallelism that passes the state (gdn_cp_state) runs its rule in "
-                                      "two passes of fla's or the release's")
+                                      "one pass of fla's or the release's (from [0, I], corrected by the chained states)")
         if fla:
             def rule(q, k, v, g, beta, initial_state, cu):  # cu: the pieces' offsets, which ``pieces`` holds
                 return self.rule_from(q, k, v, g, beta, pieces, initial_state)
