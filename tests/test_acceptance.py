@@ -16,7 +16,8 @@ gate parameters (A_log, dt_bias) <= 1e-4 (see GATE_BOUND). Full recompute must g
 losses and gradients of no recompute.
 
 The 1-rank cells run here; those that take two gloo ranks in tests/test_acceptance_two_ranks.py (same cells, bars
-and helpers, a file of their own so that pytest-xdist runs the two side by side).
+and helpers, a file of their own so that pytest-xdist runs the two side by side), and tp = 2 x cp = 2 in
+tests/test_acceptance_four_ranks.py.
 
 Known holes are strict expected failures naming the patch that closes them (each turns green
 exactly when its patch applies):
@@ -56,7 +57,9 @@ GATE_BOUND, GATES = 1e-4, ("self_attention.A_log", "self_attention.dt_bias")
 # sequence), the state-passing rule rounds its own way (transitions chained across slots), and a sum of cancelling
 # per-token terms magnifies the difference: cp = 1 on this shape is 2.8e-5 from the reference (layer 2: 1.1e-4).
 # Which is nearer the truth is measured at the layer against float64 (tests/test_cp_state.py, 3 / 9 heads, cp = 2,
-# checked 2026-12-06): state passing's A_log gradient 1.8e-6 from it, cp = 1's 6.2e-6.
+# checked 2026-12-06): state passing's A_log gradient 1.8e-6 from it, cp = 1's 6.2e-6. The tp = 2 x cp = 2 cell (2 key /
+# 6 value heads): 1.7e-4 (dt_bias, layer 2, padded pack; 0.17.1 and 0.19.2 identical), where tp = 2 without CP on that
+# shape is 3.4e-5 from the reference; every other gradient within 1e-5.
 ODD_GATE_BOUND = 1e-3
 
 
@@ -77,15 +80,19 @@ class Cell(NamedTuple):
     moe: bool = False  # every second MLP a top-2 mixture of 4 experts
     fused: bool = False  # apply(gdn_fused=True): gdn_compat's Triton region (Triton's interpreter on the CPU)
     state: bool = False  # apply(gdn_cp_state=True): CP passes the delta rule's state between ranks (#56)
-    odd: bool = False  # 3 key / 9 value heads, which do not divide cp = 2 (the config too holds cp = 2)
+    odd: bool = False  # value heads per tensor-parallel rank that do not divide cp (the config too holds cp)
 
     def id(self, recompute: bool) -> str:
         return (f"tp{self.tp}-sp{'on' if self.sp else 'off'}-cp{self.cp}-{'full' if recompute else 'none'}"
                 + "-mtp" * self.mtp + "-moe" * self.moe + "-fused" * self.fused + "-state" * self.state
-                + "-9heads" * self.odd)
+                + f"-{self.shape()['hv']}heads" * self.odd)
 
     def shape(self) -> dict:
-        return ODD_SHAPE if self.odd else M.SHAPE
+        return (ODD_SHAPE if self.tp == 1 else ODD_TP_SHAPE) if self.odd else M.SHAPE
+
+    def reference(self) -> tuple:
+        """The per-sequence reference this cell is held to: the model's MTP, MoE and heads."""
+        return self.mtp, self.moe, self.shape()["hk"], self.shape()["hv"]
 
     def switches(self) -> dict:
         return ({"gdn_fused": True} if self.fused else {}) | ({"gdn_cp_state": True} if self.state else {})
@@ -113,6 +120,12 @@ CELLS += [Cell(1, False, 2, state=True)] * STATE + [Cell(1, False, 2, mtp=True)]
 # config_gdn_cp narrows 0.18/0.19's heads check to tp; 0.16/0.17 check tp alone)
 ODD_SHAPE = dict(M.SHAPE, hk=3, hv=9)  # (3 / 3 gave a layer gate gradients of norm ~5e-6: no measure)
 CELLS += [Cell(1, False, 2, state=True, odd=True)] * STATE
+# tp = 2 x cp = 2 (four gloo ranks, tests/test_acceptance_four_ranks.py), one release per GDN generation (0.17.1:
+# gdn_thd's all-to-all, 0.19.2: the release's own): the head all-to-all, and state passing with 2 key / 6 value heads,
+# 1 / 3 per tensor-parallel rank, so its 3 value heads do not divide cp = 2
+ODD_TP_SHAPE = dict(M.SHAPE, hk=2, hv=6)
+FOUR = MEGATRON in ("0.17.1", "0.19.2")
+CELLS += [Cell(2, True, 2)] * FOUR + [Cell(2, True, 2, state=True, odd=True)] * (FOUR and STATE)
 OUT_NORM = "self_attention.out_norm.weight"
 # 0.18/0.19 without gdn_thd_deterministic: upstream's packed path, CUDA + fla only
 DETERMINISTIC_THD_HOLE = FACTS.gdn_thd == "native" and skip_reason("gdn_thd_deterministic") is not None
@@ -133,9 +146,11 @@ def _reference(path: str) -> None:
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     out = {}
-    for mtp, moe, odd in sorted({(c.mtp, c.moe, c.odd) for c in CELLS}):  # gdn_fused cells share the reference
-        model = M.build(M.config(deterministic=True, mtp=mtp, moe=moe, shape=ODD_SHAPE if odd else None))
-        ref = out[mtp, moe, odd] = {"state": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    shapes = {c.reference(): c.shape() for c in CELLS}  # gdn_fused cells share the reference
+    for key in sorted(shapes):
+        mtp, moe = key[:2]
+        model = M.build(M.config(deterministic=True, mtp=mtp, moe=moe, shape=shapes[key]))
+        ref = out[key] = {"state": {n: p.detach().clone() for n, p in model.named_parameters()}}
         for name, (lengths, padded) in PACKS.items():
             batch = M.packed_batch(lengths, padded)
             model.zero_grad(set_to_none=True)
@@ -166,13 +181,13 @@ def _run_cell(ref: dict, cell: Cell, recompute: bool, rank_tp: int, rank_cp: int
     from tests.support.gdn import shard
 
     tp, sp, cp, mtp, moe = cell.tp, cell.sp, cell.cp, cell.mtp, cell.moe
-    ref = ref[mtp, moe, cell.odd]
+    ref = ref[cell.reference()]
     cfg = M.config(tp=tp, sp=sp, cp=cp, recompute=recompute, deterministic=True, mtp=mtp, moe=moe, shape=cell.shape())
     model = M.build(cfg)
     M.check_layout(model, tp)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(M.split(name, ref["state"][name], tp, rank_tp))
+            p.copy_(M.split(name, ref["state"][name], tp, rank_tp, cell.shape()))
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     errors: dict = {"bits": {}, "calls": {"packed": 0, "fused": 0, "state": 0}}
     import gdn_compat.fused.region as fused_region  # the fused cells must really run gdn_compat's region
@@ -209,7 +224,7 @@ def _run_cell(ref: dict, cell: Cell, recompute: bool, rank_tp: int, rank_cp: int
             if tp > 1:
                 shards = [torch.empty_like(grad) for _ in range(tp)]
                 dist.all_gather(shards, grad, group=groups["tp"])
-                grad = M.join(name, shards)
+                grad = M.join(name, shards, cell.shape())
             errs[name] = _rel(grad, ref[pack]["grads"][name])
         errors[pack] = errs
     return errors
@@ -254,6 +269,11 @@ def one_rank_cells() -> list:
 def two_rank_cells() -> list:
     """Run by tests/test_acceptance_two_ranks.py (its own file, so that pytest-xdist runs it beside this one)."""
     return [c for c in CELLS if c.tp * c.cp == 2]
+
+
+def four_rank_cells() -> list:
+    """Run by tests/test_acceptance_four_ranks.py."""
+    return [c for c in CELLS if c.tp * c.cp == 4]
 
 
 def ids(cells) -> list[str]:

@@ -145,9 +145,11 @@ def build(cfg, seed: int = 0, device: str = "cpu"):
     return model
 
 
-def _sections(name: str) -> tuple[int, list[int]] | None:
-    """(partition dim, full section sizes) of a tensor-parallel parameter; None when replicated."""
-    qk, v, hv, ffn = SHAPE["dk"] * SHAPE["hk"], SHAPE["dv"] * SHAPE["hv"], SHAPE["hv"], SHAPE["ffn"]
+def _sections(name: str, shape: dict | None = None) -> tuple[int, list[int]] | None:
+    """(partition dim, full section sizes) of a tensor-parallel parameter of a model of ``shape`` (default SHAPE);
+    None when replicated."""
+    shape = shape or SHAPE
+    qk, v, hv, ffn = shape["dk"] * shape["hk"], shape["dv"] * shape["hv"], shape["hv"], shape["ffn"]
     table = {
         "self_attention.in_proj.weight": (0, [qk, qk, v, v, hv, hv]),
         "self_attention.conv1d.weight": (0, [qk, qk, v]),
@@ -160,22 +162,22 @@ def _sections(name: str) -> tuple[int, list[int]] | None:
         "linear_fc1.weight": (0, [ffn // 2, ffn // 2]),  # an MoE expert's SwiGLU (moe_ffn_hidden_size)
         "linear_fc2.weight": (1, [ffn // 2]),
         "embedding.word_embeddings.weight": (0, [VOCAB]),
-        "eh_proj.weight": (0, [SHAPE["hidden"]]),  # MTP: ColumnParallelLinear, gather_output=False
+        "eh_proj.weight": (0, [shape["hidden"]]),  # MTP: ColumnParallelLinear, gather_output=False
         "output_layer.weight": (0, [VOCAB]),
     }
     return next((spec for suffix, spec in table.items() if name.endswith(suffix)), None)
 
 
-def split(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    spec = _sections(name)
+def split(name: str, full: torch.Tensor, tp: int, rank: int, shape: dict | None = None) -> torch.Tensor:
+    spec = _sections(name, shape)
     if spec is None or tp == 1:
         return full
     dim, sizes = spec
     return torch.cat([s.chunk(tp, dim)[rank] for s in full.split(sizes, dim)], dim)
 
 
-def join(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-    spec = _sections(name)
+def join(name: str, shards: list[torch.Tensor], shape: dict | None = None) -> torch.Tensor:
+    spec = _sections(name, shape)
     if spec is None or len(shards) == 1:
         return shards[0]
     dim, sizes = spec
