@@ -139,14 +139,14 @@ def _mtp_weight(real: int, targets: int) -> float:
     return 1.0 if Version(MEGATRON) < Version("0.17") else real / max(targets, 1)
 
 
-def _reference(path: str) -> None:
+def _reference(path: str, cells) -> None:
     """Per-sequence runs of the tp = cp = 1 model, without and with MTP; saves weights, per-token
     losses and grads. With MTP each sequence's MTP gradient is rescaled from its own weight to the
     pack's (MTPLossAutoScaler's backward scale), so the sum over sequences is the pack's objective."""
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     out = {}
-    shapes = {c.reference(): c.shape() for c in CELLS}  # gdn_fused cells share the reference
+    shapes = {c.reference(): c.shape() for c in cells}  # gdn_fused cells share the reference
     for key in sorted(shapes):
         mtp, moe = key[:2]
         model = M.build(M.config(deterministic=True, mtp=mtp, moe=moe, shape=shapes[key]))
@@ -280,12 +280,12 @@ def ids(cells) -> list[str]:
     return [c.id(False).replace("-none", "") for c in cells]
 
 
-def reference_path(tmp: str) -> str:
-    """The per-sequence reference, saved under ``tmp``."""
+def reference_path(tmp: str, cells) -> str:
+    """The per-sequence reference of ``cells``, saved under ``tmp``."""
     with pytest.MonkeyPatch.context() as patcher:
         use_torch_l2norm(patcher)
         path = os.path.join(tmp, "ref.pt")
-        _reference(path)
+        _reference(path, cells)
     return path
 
 
@@ -294,7 +294,7 @@ def matrix(megatron_cpu):
     """Every 1-rank cell's worst errors, run in this process."""
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patcher:
         use_torch_l2norm(patcher)
-        ref = torch.load(reference_path(tmp))
+        ref = torch.load(reference_path(tmp, one_rank_cells()))
         from megatron.core import parallel_state
 
         groups = {"tp": parallel_state.get_tensor_model_parallel_group(),

@@ -35,7 +35,7 @@ def matrix(megatron_cpu):
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "out.pt")
         four = [(c, r) for c in four_rank_cells() for r in (False, True)]
-        spawn(_worker, (4, free_port(), reference_path(tmp), out_path, four), 4)
+        spawn(_worker, (4, free_port(), reference_path(tmp, four_rank_cells()), out_path, four), 4)
         return torch.load(out_path)
 
 

@@ -32,7 +32,7 @@ def matrix(megatron_cpu):
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "out.pt")
         two = [(c, r) for c in two_rank_cells() for r in (False, True)]
-        spawn(_worker, (2, free_port(), reference_path(tmp), out_path, two), 2)
+        spawn(_worker, (2, free_port(), reference_path(tmp, two_rank_cells()), out_path, two), 2)
         return torch.load(out_path)
 
 
