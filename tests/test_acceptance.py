@@ -280,6 +280,17 @@ def ids(cells) -> list[str]:
     return [c.id(False).replace("-none", "") for c in cells]
 
 
+def spawned(cells, ranks: int) -> dict:
+    """Every cell's worst errors (with and without full recompute), from one spawn of ``ranks`` gloo ranks."""
+    from tests.support.megatron import free_port, spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "out.pt")
+        runs = [(c, r) for c in cells for r in (False, True)]
+        spawn(_worker, (ranks, free_port(), reference_path(tmp, cells), out_path, runs), ranks)
+        return torch.load(out_path)
+
+
 def reference_path(tmp: str, cells) -> str:
     """The per-sequence reference of ``cells``, saved under ``tmp``."""
     with pytest.MonkeyPatch.context() as patcher:

@@ -5,20 +5,15 @@ other multi-rank suites added under #55's budget."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
-import torch
 
 from tests.support.release import FACTS, MEGATRON
 from tests.test_acceptance import (
-    _worker,
     four_rank_cells,
     ids,
     judge_full_recompute,
     judge_training_step,
-    reference_path,
+    spawned,
 )
 
 pytestmark = [pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release} has no GatedDeltaNet"),
@@ -30,13 +25,7 @@ pytestmark = [pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release}
 @pytest.fixture(scope="module")
 def matrix(megatron_cpu):
     """Every 4-rank cell's worst errors, from one spawn of four ranks."""
-    from tests.support.megatron import free_port, spawn
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "out.pt")
-        four = [(c, r) for c in four_rank_cells() for r in (False, True)]
-        spawn(_worker, (4, free_port(), reference_path(tmp, four_rank_cells()), out_path, four), 4)
-        return torch.load(out_path)
+    return spawned(four_rank_cells(), 4)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["recompute-none", "recompute-full"])

@@ -4,19 +4,14 @@ their own so that pytest-xdist runs them beside the 1-rank cells."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
-import torch
 
 from tests.support.release import FACTS
 from tests.test_acceptance import (
-    _worker,
     ids,
     judge_full_recompute,
     judge_training_step,
-    reference_path,
+    spawned,
     two_rank_cells,
 )
 
@@ -27,13 +22,7 @@ pytestmark = [pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release}
 @pytest.fixture(scope="module")
 def matrix(megatron_cpu):
     """Every 2-rank cell's worst errors, from one spawn of two ranks."""
-    from tests.support.megatron import free_port, spawn
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "out.pt")
-        two = [(c, r) for c in two_rank_cells() for r in (False, True)]
-        spawn(_worker, (2, free_port(), reference_path(tmp, two_rank_cells()), out_path, two), 2)
-        return torch.load(out_path)
+    return spawned(two_rank_cells(), 2)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["recompute-none", "recompute-full"])
