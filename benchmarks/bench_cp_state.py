@@ -175,9 +175,11 @@ def measure(rule, d: dict, length: int, cp: int, args) -> dict:
 
     say("state passing, one rank")
     row["state_passing_rank"] = guarded(rank_step)
+    say(f"so far {json.dumps(row)}")
     if args.two_pass:
         say("state passing in two passes (the first version), one rank")
         row["state_passing_two_pass_rank"] = guarded(rank_step_two_pass)
+        say(f"so far {json.dumps(row)}")
     if not args.no_whole:
         say("no CP")
         row["no_cp"] = guarded(lambda: whole(rule, d))
