@@ -206,16 +206,15 @@ def corrected(wide: torch.Tensor, every: torch.Tensor, slots: Slots) -> torch.Te
 def carried(carry: torch.Tensor, start: torch.Tensor, slots: Slots) -> torch.Tensor:
     """``[T, H, V]``: every token's ``carry`` ``[T, H, K]`` times the start state ``[H, K, V]`` of its piece
     (``start`` ``[P, H, K, V]``), as a few batched products over pieces of similar lengths."""
-    groups, inverse = _carry_layout(slots)
-    device = carry.device
-    rows = [torch.einsum("plhk,phkv->plhv", carry[index.to(device)], start[pieces.to(device)]).flatten(0, 1)
-            for pieces, index in groups]
-    return (rows[0] if len(rows) == 1 else torch.cat(rows))[inverse.to(device)]
+    groups, inverse = _carry_layout(slots, carry.device)
+    rows = [torch.einsum("plhk,phkv->plhv", carry[index], start[pieces]).flatten(0, 1) for pieces, index in groups]
+    return (rows[0] if len(rows) == 1 else torch.cat(rows))[inverse]
 
 
 @lru_cache(maxsize=64)
-def _carry_layout(slots: Slots) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """Host index tensors for ``carried``: the pieces in groups whose lengths are within a factor of two of the
+def _carry_layout(slots: Slots, device: torch.device) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Index tensors for ``carried``, on ``device`` once per layout (every layer and recompute of a step share them:
+    no copy from the host per call): the pieces in groups whose lengths are within a factor of two of the
     group's longest (so padding at most doubles a group's rows), each group's ``[G, L]`` token index (a short piece's
     padding repeats its last token), and where each token's row lands in the groups' rows laid end to end."""
     cu = slots.cu
@@ -235,9 +234,9 @@ def _carry_layout(slots: Slots) -> tuple[list[tuple[torch.Tensor, torch.Tensor]]
         index = first[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)
         real = steps[None, :] < lengths[:, None]
         inverse[index[real]] = offset + torch.arange(len(pieces) * width).reshape(len(pieces), width)[real]
-        groups.append((torch.tensor(pieces), index))
+        groups.append((torch.tensor(pieces).to(device), index.to(device)))
         offset += len(pieces) * width
-    return groups, inverse
+    return groups, inverse.to(device)
 
 
 def per_slot(release_rule: Callable[..., Any]) -> Rule:
