@@ -104,3 +104,34 @@ def test_fla_varlen_signatures_are_seen():
     if FACTS.fla is None or FACTS.fla_error:
         pytest.skip(f"fla not importable here: {FACTS.fla_error}")
     assert FACTS.fla_varlen.rule is Accepts.YES and FACTS.fla_varlen.conv is Accepts.YES
+
+
+@pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release} has no GatedDeltaNet")
+def test_a_method_replaced_after_a_probe_is_read_anew_by_the_next(monkeypatch):
+    """The probe reads each release function's source once (apply() and plan() ask every time); a function put in
+    its place is another object, read on the next probe, and putting the release's back gives the first answer."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from gdn_compat._probe import GDN_MODULE, probe
+
+    cls = __import__(GDN_MODULE, fromlist=["GatedDeltaNet"]).GatedDeltaNet
+    first = probe()
+    assert (first.config_refuses_gdn_cp or first.config_gdn_heads_divide_cp) and first.gdn_thd in ("refuses", "native")
+
+    def post_init(self):  # checks nothing
+        pass
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None, **kwargs):
+        return hidden_states  # neither refuses nor handles a pack
+
+    with monkeypatch.context() as mp:
+        mp.setattr(TransformerConfig, "__post_init__", post_init)
+        mp.setattr(cls, "forward", forward)
+        replaced = probe()
+    assert not replaced.config_refuses_gdn_cp and not replaced.config_gdn_heads_divide_cp
+    assert replaced.gdn_thd == "unknown", replaced.notes.get("gdn_thd")
+    again = probe()
+    assert (again.config_refuses_gdn_cp, again.config_gdn_heads_divide_cp, again.gdn_thd) == \
+        (first.config_refuses_gdn_cp, first.config_gdn_heads_divide_cp, first.gdn_thd)

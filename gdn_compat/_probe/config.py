@@ -5,13 +5,13 @@ also rewrites; and whether the release sums GDN's out_norm gradient over tensor 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
-import inspect
 import re
 import textwrap
 from typing import Any
 
-from gdn_compat._probe.facts import CONFIG_MODULE, FINALIZE_MODULE, Accepts, _why
+from gdn_compat._probe.facts import CONFIG_MODULE, FINALIZE_MODULE, Accepts, _why, source
 
 
 def _is_self_attr(node: ast.AST, attr: str) -> bool:
@@ -73,9 +73,9 @@ def _gdn_heads_cp_asserts(func: ast.FunctionDef) -> list[tuple[list[ast.stmt], a
 def _parse(func: Any) -> tuple[ast.Module, ast.FunctionDef]:
     """The function's own AST with the release's positions: lines as in its file (set by ``build``), and
     columns shifted back by the indentation ``dedent`` removed, so traceback carets point where they did."""
-    source = inspect.getsource(func)
-    dedented = textwrap.dedent(source)
-    indent = len(source) - len(source.lstrip()) - (len(dedented) - len(dedented.lstrip()))
+    text = source(func)
+    dedented = textwrap.dedent(text)
+    indent = len(text) - len(text.lstrip()) - (len(dedented) - len(dedented.lstrip()))
     tree = ast.parse(dedented)
     for node in ast.walk(tree):
         for field in ("col_offset", "end_col_offset"):
@@ -87,24 +87,30 @@ def _parse(func: Any) -> tuple[ast.Module, ast.FunctionDef]:
     return tree, node
 
 
+@functools.lru_cache(maxsize=16)
+def _gdn_checks(post_init: Any) -> tuple[int, tuple[str, ...]]:
+    """How many ``cp == 1`` assertions ``__post_init__`` holds for GDN, and which heads it asserts divide tp x cp:
+    parsed once per function object (every ``apply()`` and ``plan()`` asks; a replaced ``__post_init__`` is another
+    object). Raises what ``_parse`` raises when the source cannot be read."""
+    _, node = _parse(post_init)
+    return len(_gdn_cp_asserts(node)), tuple(sorted(attr for _, _, attr in _gdn_heads_cp_asserts(node)))
+
+
 def refuses_gdn_cp(config_cls: Any) -> bool:
     """The probe: ``__post_init__`` holds exactly one such assertion (read from the release source)."""
     try:
-        _, node = _parse(config_cls.__post_init__)
+        return _gdn_checks(config_cls.__post_init__)[0] == 1
     except (TypeError, OSError, SyntaxError, IndexError):
         return False
-    return len(_gdn_cp_asserts(node)) == 1
 
 
 def heads_divide_tp_cp(config_cls: Any) -> bool:
     """The probe of 0.18/0.19: ``__post_init__`` asserts that GDN's key heads and its value heads (one assertion
     each) divide tensor x context parallel size (read from the release source)."""
     try:
-        _, node = _parse(config_cls.__post_init__)
+        return _gdn_checks(config_cls.__post_init__)[1] == ("linear_num_key_heads", "linear_num_value_heads")
     except (TypeError, OSError, SyntaxError, IndexError):
         return False
-    return sorted(attr for _, _, attr in _gdn_heads_cp_asserts(node)) == ["linear_num_key_heads",
-                                                                          "linear_num_value_heads"]
 
 
 def _probe_config(out: dict[str, Any]) -> None:
@@ -125,7 +131,7 @@ def _probe_finalize(out: dict[str, Any]) -> None:
     """Does the release's TP reduction of replicated grads already cover GDN's out_norm?"""
     try:
         mod = importlib.import_module(FINALIZE_MODULE)
-        src = inspect.getsource(mod.__dict__["_allreduce_non_tensor_model_parallel_grads"])
+        src = source(mod.__dict__["_allreduce_non_tensor_model_parallel_grads"])
     except Exception as exc:  # noqa: BLE001
         out["gdn_out_norm_tp_sum"] = Accepts.UNKNOWN
         out["notes"]["gdn_out_norm_tp_sum"] = f"cannot read {FINALIZE_MODULE}: {_why(exc)}"

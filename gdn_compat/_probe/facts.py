@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib
 import importlib.metadata as md
 import inspect
@@ -182,6 +183,14 @@ def _dist(*names: str) -> Dist | None:
 def _why(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+@functools.lru_cache(maxsize=256)
+def source(obj: Any) -> str:
+    """``inspect.getsource(obj)``, read once per object: ``apply()``, ``plan()``, ``report()`` and the doctor probe
+    the same release functions, classes and fla modules every time. A method replaced on its class, or a module
+    imported again, is another object and is read anew; an unreadable one raises every time."""
+    return inspect.getsource(obj)
 
 
 def accepts(func: Any, name: str) -> Accepts:

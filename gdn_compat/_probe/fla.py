@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Any
 
-from gdn_compat._probe.facts import Accepts, Varlen, _dist, _why, accepts
+from gdn_compat._probe.facts import Accepts, Varlen, _dist, _why, accepts, source
 
 
 def _probe_fla(out: dict[str, Any]) -> None:
@@ -105,10 +105,10 @@ _WY_GUARD = re.compile(r"PREPARE_WY_REPR_BWD_NUM_\w+\s*=.*IS_NVIDIA_BLACKWELL")
 
 def _blackwell_wy_guard() -> Accepts:
     try:
-        source = inspect.getsource(importlib.import_module("fla.ops.gated_delta_rule.wy_fast"))
+        text = source(importlib.import_module("fla.ops.gated_delta_rule.wy_fast"))
     except Exception:  # noqa: BLE001 - unreadable: unknown
         return Accepts.UNKNOWN
-    return Accepts.YES if _WY_GUARD.search(source) else Accepts.NO
+    return Accepts.YES if _WY_GUARD.search(text) else Accepts.NO
 
 
 # What gdn_thd's _Rule passes to fla 0.4.x's own forward and backward, by keyword.
@@ -161,7 +161,7 @@ def atomic_free(*entry_points: Any, prefix: str = "fla") -> tuple[Accepts, str]:
         if module is None:
             continue
         try:
-            found = sorted(set(_ATOMIC.findall(inspect.getsource(module))))
+            found = sorted(set(_ATOMIC.findall(source(module))))
         except (OSError, TypeError):  # a package without source: nothing proves it atomic-free
             return Accepts.UNKNOWN, f"source of {name} not readable"
         if found:

@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Any
 
-from gdn_compat._probe.facts import GDN_MODULE, Accepts, Conv, Cp, Layout, Thd, _import, _why, accepts
+from gdn_compat._probe.facts import GDN_MODULE, Accepts, Conv, Cp, Layout, Thd, _import, _why, accepts, source
 
 # The 0.16/0.17 GatedDeltaNet.forward parameters; the gdn_thd replacement has exactly these.
 GDN_LEGACY_PARAMS = (
@@ -54,7 +54,7 @@ def _probe_gdn(out: dict[str, Any]) -> None:
             f"({getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', '?')})")
     try:
         params = tuple(inspect.signature(cls.forward).parameters)
-        src, cls_src = inspect.getsource(cls.forward), inspect.getsource(cls)
+        src, cls_src = source(cls.forward), source(cls)
     except (TypeError, OSError, ValueError) as exc:
         out["gdn_thd"] = out["gdn_cp"] = "unknown"
         out["notes"]["gdn_thd"] = f"cannot read GatedDeltaNet.forward: {_why(exc)}"
@@ -137,7 +137,7 @@ def _gate(cls: Any) -> tuple[str, str, Accepts]:
     method = getattr(cls, name)
     func = getattr(method, "_torchdynamo_orig_callable", None) or getattr(method, "__wrapped__", method)
     try:
-        params, src = tuple(inspect.signature(func).parameters), inspect.getsource(func)
+        params, src = tuple(inspect.signature(func).parameters), source(func)
     except (TypeError, OSError, ValueError):
         return "unknown", name, _compiled(method)
     if name == "_compute_g_and_beta" and params != GATE_PARAMS:

@@ -7,14 +7,14 @@ import inspect
 import re
 from typing import Any
 
-from gdn_compat._probe.facts import MTP_MODULE, Mtp, Roll, _import, _why
+from gdn_compat._probe.facts import MTP_MODULE, Mtp, Roll, _import, _why, source
 
 _PASSES_MASK = re.compile(r"self\._checkpointed_forward\((?:[^()]|\([^()]*\))*padding_mask\s*=", re.S)
 
 
 def _mtp_shape(cls: Any) -> tuple[Mtp, str]:
     ckpt = dict(inspect.signature(cls._checkpointed_forward).parameters)
-    fwd_src = inspect.getsource(cls.forward)
+    fwd_src = source(cls.forward)
     layer = cls.__dict__.get("_proj_and_transformer_layer")
     layer_params = inspect.signature(layer).parameters if layer else {}
     if "forward_func" in ckpt:
@@ -47,7 +47,7 @@ def _roll_shape(mod: Any) -> tuple[Roll, str]:
     params = tuple(inspect.signature(func).parameters)
     if params not in (ROLL_PARAMS, (*ROLL_PARAMS, "return_sum")):
         return Roll.UNKNOWN, f"_roll_tensor_packed_seq{inspect.signature(func)} is not {ROLL_PARAMS} (+ return_sum)"
-    if not re.search(r"\breturn\s+_roll_tensor_packed_seq\(", inspect.getsource(roll)):
+    if not re.search(r"\breturn\s+_roll_tensor_packed_seq\(", source(roll)):
         return Roll.UNKNOWN, "roll_tensor does not hand packed input to _roll_tensor_packed_seq"
     unpadded, padded = torch.tensor([0, 2, 5]), torch.tensor([0, 4, 8])
     psp = types.SimpleNamespace(qkv_format="thd", cu_seqlens_q=unpadded, cu_seqlens_kv=unpadded,

@@ -19,8 +19,10 @@ The replacement is the release's own ``__post_init__`` recompiled from its sourc
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import sys
+import types
 from typing import Any
 
 from gdn_compat._probe import CONFIG_MODULE, Facts
@@ -71,8 +73,22 @@ def _narrowed(stmt: ast.Assert, heads: str) -> ast.Assert:
 def build(facts: Facts, original: Any) -> Any:
     """The release's ``__post_init__`` without the one assertion (0.16/0.17), or with the two narrowed to tp
     (0.18/0.19), compiled in the release module."""
+    namespace: dict[str, Any] = {}
+    exec(_rewritten(original, facts.config_refuses_gdn_cp), sys.modules[original.__module__].__dict__,  # noqa: S102
+         namespace)
+    owner = sys.modules[original.__module__].TransformerConfig
+    replacement = namespace["_gdn_compat_factory"](owner)
+    replacement.__qualname__, replacement.__doc__ = original.__qualname__, original.__doc__
+    replacement.__wrapped__ = original
+    return replacement
+
+
+@functools.lru_cache(maxsize=8)
+def _rewritten(original: Any, lift: bool) -> types.CodeType:
+    """The rewritten ``__post_init__``'s module code (a factory that returns it), compiled once per original: every
+    ``apply()`` runs ``build`` again, and the release's ``__post_init__`` is some thousand lines to parse."""
     tree, func = _parse(original)
-    if facts.config_refuses_gdn_cp:
+    if lift:
         [(body, stmt)] = _gdn_cp_asserts(func)
         body[body.index(stmt)] = ast.copy_location(ast.Pass(), stmt)
     else:
@@ -88,14 +104,7 @@ def build(facts: Facts, original: Any) -> Any:
     module = ast.Module(body=[factory], type_ignores=[])
     ast.fix_missing_locations(module)
     ast.increment_lineno(module, inspect.getsourcelines(original)[1] - 1)  # the release's line numbers
-    namespace: dict[str, Any] = {}
-    exec(compile(module, inspect.getsourcefile(original) or "<release>", "exec"),  # noqa: S102
-         sys.modules[original.__module__].__dict__, namespace)
-    owner = sys.modules[original.__module__].TransformerConfig
-    replacement = namespace["_gdn_compat_factory"](owner)
-    replacement.__qualname__, replacement.__doc__ = original.__qualname__, original.__doc__
-    replacement.__wrapped__ = original
-    return replacement
+    return compile(module, inspect.getsourcefile(original) or "<release>", "exec")
 
 
 PATCH = Patch(
