@@ -38,7 +38,7 @@ import torch
 
 import gdn_compat
 from tests.support import model as M
-from tests.support.gdn import use_torch_l2norm
+from tests.support.gdn import use_short_chunks, use_torch_l2norm
 from tests.support.release import FACTS, MEGATRON, skip_reason
 
 pytestmark = [pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release} has no GatedDeltaNet"),
@@ -243,6 +243,7 @@ def _worker(rank: int, world: int, port: int, ref_path: str, out_path: str, cell
     results = {}
     with megatron_world(rank, world, port=port), pytest.MonkeyPatch.context() as mp:
         use_torch_l2norm(mp)
+        use_short_chunks(mp)
         ref = torch.load(ref_path)
         for cell, recompute in cells:
             tp, cp = cell.tp, cell.cp
@@ -295,6 +296,7 @@ def reference_path(tmp: str, cells) -> str:
     """The per-sequence reference of ``cells``, saved under ``tmp``."""
     with pytest.MonkeyPatch.context() as patcher:
         use_torch_l2norm(patcher)
+        use_short_chunks(patcher)
         path = os.path.join(tmp, "ref.pt")
         _reference(path, cells)
     return path
@@ -305,6 +307,7 @@ def matrix(megatron_cpu):
     """Every 1-rank cell's worst errors, run in this process."""
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patcher:
         use_torch_l2norm(patcher)
+        use_short_chunks(patcher)
         ref = torch.load(reference_path(tmp, one_rank_cells()))
         from megatron.core import parallel_state
 

@@ -204,6 +204,32 @@ def use_torch_l2norm(monkeypatch) -> None:
             monkeypatch.setattr(mod, "l2norm", l2norm_ref)
 
 
+CHUNK = 16
+
+
+def use_short_chunks(monkeypatch) -> None:
+    """The release's ``torch_chunk_gated_delta_rule`` with 16-token chunks instead of 64, for the CPU matrices whose
+    packs hold sequences of at most 16 tokens: each sequence is still one chunk, and the rule's loop over a chunk's
+    rows (forward and its autograd graph) runs 15 steps instead of 63 over padding (a call of 9 or 16 tokens, 8 heads:
+    ~15 ms -> ~3.5 ms forward + backward). The function object stays the release's (its default changed in place), so
+    gdn_compat still sees the release's rule and not a replaced one."""
+    import inspect
+    import sys
+
+    rules = {id(m.torch_chunk_gated_delta_rule): m.torch_chunk_gated_delta_rule for n, m in list(sys.modules.items())
+             if n.startswith("megatron.core.ssm.gated_delta_net") and hasattr(m, "torch_chunk_gated_delta_rule")}
+    for rule in rules.values():
+        defaults = [p for p in inspect.signature(rule).parameters.values()
+                    if p.default is not inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+        names = [p.name for p in defaults]
+        if "chunk_size" not in names or len(defaults) != len(rule.__defaults__):
+            raise RuntimeError(f"{rule.__module__}.torch_chunk_gated_delta_rule{inspect.signature(rule)}: no "
+                               f"chunk_size default where expected")
+        values = list(rule.__defaults__)
+        values[names.index("chunk_size")] = CHUNK
+        monkeypatch.setattr(rule, "__defaults__", tuple(values))
+
+
 def fla_on_cpu(setattr_=setattr) -> None:
     """fla's varlen ``causal_conv1d`` and ``chunk_gated_delta_rule`` (and its ``l2norm``) in plain torch,
     one sequence at a time, put into this release's GDN modules: the release's own native THD path (and
