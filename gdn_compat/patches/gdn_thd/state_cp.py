@@ -113,20 +113,13 @@ def halo(x: torch.Tensor, slots: Slots, width: int, group: Any) -> torch.Tensor:
     """``[P, width - 1, C]``: the ``width - 1`` tokens of its sequence before each of this rank's pieces (zeros
     before a sequence's start); ``x`` ``[T_local, C]`` is the conv's input."""
     keep = width - 1
-    cu, halves = slots.cu, slots.halves
-    pieces, channels = len(cu) - 1, x.shape[-1]
+    pieces, channels = len(slots.cu) - 1, x.shape[-1]
     if keep == 0 or pieces == 0:
         return x.new_zeros(pieces, keep, channels)
+    index, tail_mask, shift = _halo_layout(slots, keep, x.device)
     # each piece's last min(keep, h) tokens, right-aligned in keep rows
-    rows = torch.arange(keep, device=x.device)
-    valid = torch.tensor([min(keep, h) for h in halves for _ in (0, 1)], device=x.device)
-    ends = torch.tensor(cu[1:], device=x.device)
-    index = (ends[:, None] - keep + rows[None, :]).clamp_min(0)  # [P, keep]
-    tails = x[index.reshape(-1)].reshape(pieces, keep, channels)
-    tails = tails * (rows[None, :] >= keep - valid[:, None])[..., None].to(x.dtype)
+    tails = x[index].reshape(pieces, keep, channels) * tail_mask.to(x.dtype)
     every = gather(tails, group)  # [cp, P, keep, C]
-    m = valid[0::2]  # per sequence: the rows a slot adds to the history
-    shift = torch.where(rows[None, :] < keep - m[:, None], rows[None, :] + m[:, None], keep + rows[None, :])
     shift = shift[..., None].expand(-1, -1, channels)  # [N, keep, C] into cat([history, tail])
     history = x.new_zeros(pieces // 2, keep, channels)
     mine: list[torch.Tensor | None] = [None, None]
@@ -138,6 +131,22 @@ def halo(x: torch.Tensor, slots: Slots, width: int, group: Any) -> torch.Tensor:
         history = torch.gather(torch.cat([history, every[rank, part::2]], dim=1), 1, shift)
     assert mine[0] is not None and mine[1] is not None
     return torch.stack([mine[0], mine[1]], dim=1).reshape(pieces, keep, channels)
+
+
+@lru_cache(maxsize=64)
+def _halo_layout(slots: Slots, keep: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index tensors for ``halo``, on ``device`` once per layout (as ``_carry_layout``): the rows of each piece's
+    last ``keep`` tokens ``[P * keep]``, which of them are the piece's own ``[P, keep, 1]`` (a piece shorter than
+    ``keep`` gives fewer), and per sequence where each history row comes from in ``cat([history, tail])``
+    ``[N, keep]``."""
+    rows = torch.arange(keep)
+    valid = torch.tensor([min(keep, h) for h in slots.halves for _ in (0, 1)])
+    ends = torch.tensor(slots.cu[1:])
+    index = (ends[:, None] - keep + rows[None, :]).clamp_min(0).reshape(-1)
+    tail_mask = (rows[None, :] >= keep - valid[:, None])[..., None]
+    m = valid[0::2]  # per sequence: the rows a slot adds to the history
+    shift = torch.where(rows[None, :] < keep - m[:, None], rows[None, :] + m[:, None], keep + rows[None, :])
+    return index.to(device), tail_mask.to(device), shift.to(device)
 
 
 def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slots: Slots, group: Any) -> torch.Tensor:
@@ -153,8 +162,16 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slots
         return x[:0]
     ext = torch.cat(parts).t()[None]  # [1, C, T_local + P (W-1)]
     out = F.conv1d(ext, weight, bias, groups=weight.shape[0])[0].t()  # each output sees only its own piece's rows
-    keep = torch.cat([torch.arange(a + p * (width - 1), b + p * (width - 1)) for p, (a, b) in enumerate(zip(cu, cu[1:]))])
-    return out[keep.to(out.device)]
+    return out[_conv_rows(slots, width, out.device)]
+
+
+@lru_cache(maxsize=64)
+def _conv_rows(slots: Slots, width: int, device: torch.device) -> torch.Tensor:
+    """The rows of ``conv``'s output that are its pieces' own tokens (each piece follows its ``width - 1`` halo
+    rows), on ``device`` once per layout."""
+    cu = slots.cu
+    return torch.cat([torch.arange(a + p * (width - 1), b + p * (width - 1))
+                      for p, (a, b) in enumerate(zip(cu, cu[1:]))]).to(device)
 
 
 def start_states(A: torch.Tensor, B: torch.Tensor, slots: Slots) -> torch.Tensor:
