@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import tempfile
 from collections.abc import Iterator
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago: the key ``world()`` names a group's store by (one spawn's
+    ranks get the same one)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -98,10 +100,13 @@ def world(rank: int = 0, size: int = 1, *, tp: int = 1, cp: int = 1, port: int |
             backend = backend or ("nccl" if cuda else "gloo")
             if size == 1:  # no TCP port to race for with other processes on the machine
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-            else:
-                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-                os.environ["MASTER_PORT"] = str(port or free_port())
-                dist.init_process_group(backend, rank=rank, world_size=size)
+            else:  # nor with several: a file store, named by the ranks' common parent (spawn's forkserver) and port
+                if port is None:
+                    raise ValueError("world(): ranks of a group of more than one need the same port (free_port())")
+                path = os.path.join(tempfile.gettempdir(), f"gdn-compat-store-{os.getppid()}-{port}")
+                store = dist.FileStore(path, size)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=size)
+                stack.callback(_check_out, store, path, size)  # after the group is gone
             stack.callback(dist.destroy_process_group)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
@@ -111,6 +116,13 @@ def world(rank: int = 0, size: int = 1, *, tp: int = 1, cp: int = 1, port: int |
 
             model_parallel_cuda_manual_seed(1234)
         yield "cuda" if cuda else "cpu"
+
+
+def _check_out(store, path: str, size: int) -> None:
+    """The last rank of a group to leave deletes its store's file (rank processes end in ``os._exit``: the store's
+    own clean-up, in its destructor, never runs)."""
+    if store.add("gdn_compat_left", 1) == size:
+        os.remove(path)
 
 
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "gdn_compat",
