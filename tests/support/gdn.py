@@ -216,9 +216,9 @@ def use_short_chunks(monkeypatch) -> None:
     import inspect
     import sys
 
-    rules = {id(m.torch_chunk_gated_delta_rule): m.torch_chunk_gated_delta_rule for n, m in list(sys.modules.items())
+    rules = {m.torch_chunk_gated_delta_rule for n, m in list(sys.modules.items())  # one function, several modules
              if n.startswith("megatron.core.ssm.gated_delta_net") and hasattr(m, "torch_chunk_gated_delta_rule")}
-    for rule in rules.values():
+    for rule in rules:
         defaults = [p for p in inspect.signature(rule).parameters.values()
                     if p.default is not inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
         names = [p.name for p in defaults]
