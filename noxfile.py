@@ -177,9 +177,10 @@ def triton_compile(session: nox.Session, triton: str) -> None:
     session.run("python", "-W", "ignore", "-m", "tests.support.triton_compile", *session.posargs,
                 env={"TRITON_INTERPRET": "0"})
     if triton == INTERPRETER_OLDEST:  # the fused kernels through the oldest interpreter that runs them
-        session.install("pytest>=8", "pytest-xdist>=3")  # one file: its tests spread over the workers
+        session.install("pytest>=8", "pytest-xdist>=3")  # two files: their tests spread over the workers
         session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore", "-n", WORKERS[1],
-                    "--dist", "load", "tests/test_fused_kernels.py", env={"TRITON_INTERPRET": "1", **THREADS})
+                    "--dist", "load", "tests/test_fused_kernels.py", "tests/test_interpreter_support.py",
+                    env={"TRITON_INTERPRET": "1", **THREADS})
 
 
 @nox.session(python=PYTHON)

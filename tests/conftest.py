@@ -10,12 +10,14 @@ megatron-core run everything.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 
 import pytest
 
 from tests.support import suite_records
+from tests.support.interpreter import once_per_launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -49,6 +51,8 @@ def pytest_configure(config):
     controller = config.pluginmanager.getplugin("dsession") is not None  # runs no test: imports neither torch
     if not controller:  # nor megatron-core (~6 s a session)
         _interpreter()
+        config.stash[_LAUNCHES] = contextlib.ExitStack()
+        config.stash[_LAUNCHES].enter_context(once_per_launch())  # tests/support/interpreter.py
     out = suite_records.folder()
     for stale in (out / "imports").glob("*.json") if out and not worker else ():
         stale.unlink()  # an earlier session that failed before writing its record
@@ -115,6 +119,12 @@ def pytest_sessionfinish(session, exitstatus):
         suite_records.write_record(release)
 
 
+def pytest_unconfigure(config):
+    if _LAUNCHES in config.stash:
+        config.stash[_LAUNCHES].close()
+
+
+_LAUNCHES = pytest.StashKey[contextlib.ExitStack]()
 _SAME = pytest.StashKey[tuple | None]()
 _RELEASE = pytest.StashKey[str | None]()
 

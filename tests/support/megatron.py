@@ -14,6 +14,8 @@ import socket
 import tempfile
 from collections.abc import Iterator
 
+from tests.support.interpreter import once_per_launch
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago: the key ``world()`` names a group's store by (one spawn's
@@ -96,6 +98,7 @@ def world(rank: int = 0, size: int = 1, *, tp: int = 1, cp: int = 1, port: int |
             torch.cuda.set_device(rank % torch.cuda.device_count())
         else:
             stack.enter_context(cpu_stand_ins())
+            stack.enter_context(once_per_launch())  # Triton's interpreter, where the ranks run gdn_compat's kernels
         if not dist.is_initialized():
             backend = backend or ("nccl" if cuda else "gloo")
             if size == 1:  # no TCP port to race for with other processes on the machine
