@@ -88,11 +88,16 @@ class Cell(NamedTuple):
                 + f"-{self.shape()['hv']}heads" * self.odd)
 
     def shape(self) -> dict:
+        if self.fused:
+            return FUSED_SHAPE
         return (ODD_SHAPE if self.tp == 1 else ODD_TP_SHAPE) if self.odd else M.SHAPE
 
+    def layers(self) -> int:
+        return FUSED_LAYERS if self.fused else 4
+
     def reference(self) -> tuple:
-        """The per-sequence reference this cell is held to: the model's MTP, MoE and heads."""
-        return self.mtp, self.moe, self.shape()["hk"], self.shape()["hv"]
+        """The per-sequence reference this cell is held to: the model's MTP, MoE, heads and layers."""
+        return self.mtp, self.moe, self.shape()["hk"], self.shape()["hv"], self.layers()
 
     def switches(self) -> dict:
         return ({"gdn_fused": True} if self.fused else {}) | ({"gdn_cp_state": True} if self.state else {})
@@ -109,6 +114,12 @@ CELLS = [Cell(1, False, 1), Cell(2, False, 1), Cell(2, True, 1), Cell(1, False, 
 FUSED = (skip_reason("gdn_fused", gdn_fused=True) is None and os.environ.get("TRITON_INTERPRET") == "1"
          and MEGATRON in ("0.17.1", "0.19.2"))
 CELLS += [Cell(2, True, 1, fused=True), Cell(1, False, 2, fused=True), Cell(1, False, 1, mtp=True, fused=True)] * FUSED
+# Their model is smaller (#55): the interpreter's cost is per program and op, not per element, and the kernels' grids
+# and loops go over heads and blocks, so a cell costs ~heads x layers (the 4-layer, 4 / 8-head MTP cell with full
+# recompute alone took 51 s). 2 layers (one layer's output feeds the next layer's region), 2 key / 6 value heads: the
+# conv repeats each key head 3 times, tp = 2 and cp = 2 split both (one key, three value heads a rank). (2 / 4 heads
+# gave gate gradients so cancelled that the unfused path too was 2.4e-3 from the reference under MTP: no measure.)
+FUSED_SHAPE, FUSED_LAYERS = dict(M.SHAPE, hk=2, hv=6), 2
 # gdn_cp_state: cp = 2 passing the state between the ranks. MTP at cp = 2 (either CP mode) only on 0.16: from 0.17 the
 # release weights each rank's MTP loss by its own shard's real tokens over MTP targets, so under CP the objective is
 # not cp = 1's (every gradient ~5e-2 off this reference, the same with the head all-to-all as with gdn_cp_state)
@@ -146,10 +157,10 @@ def _reference(path: str, cells) -> None:
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     out = {}
-    shapes = {c.reference(): c.shape() for c in cells}  # gdn_fused cells share the reference
+    shapes = {c.reference(): c.shape() for c in cells}
     for key in sorted(shapes):
-        mtp, moe = key[:2]
-        model = M.build(M.config(deterministic=True, mtp=mtp, moe=moe, shape=shapes[key]))
+        mtp, moe, layers = key[0], key[1], key[-1]
+        model = M.build(M.config(deterministic=True, mtp=mtp, moe=moe, shape=shapes[key], layers=layers))
         ref = out[key] = {"state": {n: p.detach().clone() for n, p in model.named_parameters()}}
         for name, (lengths, padded) in PACKS.items():
             batch = M.packed_batch(lengths, padded)
@@ -182,7 +193,8 @@ def _run_cell(ref: dict, cell: Cell, recompute: bool, rank_tp: int, rank_cp: int
 
     tp, sp, cp, mtp, moe = cell.tp, cell.sp, cell.cp, cell.mtp, cell.moe
     ref = ref[cell.reference()]
-    cfg = M.config(tp=tp, sp=sp, cp=cp, recompute=recompute, deterministic=True, mtp=mtp, moe=moe, shape=cell.shape())
+    cfg = M.config(tp=tp, sp=sp, cp=cp, recompute=recompute, deterministic=True, mtp=mtp, moe=moe, shape=cell.shape(),
+                   layers=cell.layers())
     model = M.build(cfg)
     M.check_layout(model, tp)
     with torch.no_grad():
