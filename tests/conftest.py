@@ -3,7 +3,8 @@
 Which release runs what (#55): every release session runs the light tests; the suites marked ``heavy`` run once per
 distinct megatron-core source in one nox run (tests/support/suite_records.py; nox runs each minor's newest patch
 release first); the tests marked ``interpreted_fused`` (gdn_compat's Triton kernels in Triton's interpreter) run on one
-release per GDN generation, and those marked ``auto_fresh`` (GDN_COMPAT_AUTO's fresh interpreters) in one release
+release per GDN generation, those marked ``interpreted_kernels`` (the kernels alone, no megatron-core) on one, and those
+marked ``auto_fresh`` (GDN_COMPAT_AUTO's fresh interpreters) in one release
 session and in the ``ray`` session (``ONLY_ON``). A megatron source tree (``nox -s source``) and a venv without
 megatron-core run everything.
 """
@@ -26,6 +27,9 @@ ONLY_ON = {
     "interpreted_fused": (("0.17.1", "0.19.2"), "gdn_compat's Triton kernels in Triton's interpreter run on one release "
                                                 "per GDN generation: 0.17.1 (gdn_thd's packed path) and 0.19.2 (the "
                                                 "native THD routes)"),
+    "interpreted_kernels": (("0.19.2",), "gdn_compat's Triton kernels alone (no megatron-core code) in Triton's "
+                                         "interpreter: the same run in every session, so one release session (0.19.2) "
+                                         "and triton_compile(3.7.0), the oldest interpreter that runs them"),
     "auto_fresh": (("0.19.2",), "GDN_COMPAT_AUTO's fresh interpreters run in one release session (0.19.2) and in the "
                                 "ray session (GDN_COMPAT_INSTALL_TESTS=1)"),
 }
@@ -74,7 +78,7 @@ def _only_here(marker: str, release: str | None) -> str | None:
     releases, why = ONLY_ON[marker]
     if release is None or release in releases:
         return None
-    if marker == "interpreted_fused" and os.environ.get("TRITON_INTERPRET") != "1":
+    if marker.startswith("interpreted_") and os.environ.get("TRITON_INTERPRET") != "1":
         return None  # on a GPU the kernels are compiled, not interpreted
     if marker == "auto_fresh" and os.environ.get("GDN_COMPAT_INSTALL_TESTS") == "1":
         return None

@@ -14,7 +14,7 @@ import torch
 from tests.support.fused import CU, DIMS, gradients, inputs, interpreted_or_cuda, ref_core, region_inputs, token_bounds
 
 pytestmark = [pytest.mark.skipif(interpreted_or_cuda() is not None, reason=str(interpreted_or_cuda())),
-              pytest.mark.interpreted_fused]  # in the interpreter: 0.17.1 and 0.19.2 (tests/conftest.py)
+              pytest.mark.interpreted_kernels]  # in the interpreter: 0.19.2 and triton_compile(3.7.0) (tests/conftest.py)
 
 from gdn_compat.fused import conv, gate, norm, reference  # noqa: E402  (after the skip: needs Triton)
 from gdn_compat.fused.region import Spec, region  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 from tests.support.fused import CU, inputs, token_bounds
 from tests.support.interpreter import why_not
 
-pytestmark = [pytest.mark.skipif(why_not() is not None, reason=str(why_not())), pytest.mark.interpreted_fused]
+pytestmark = [pytest.mark.skipif(why_not() is not None, reason=str(why_not())), pytest.mark.interpreted_kernels]
 
 
 def test_a_kernel_whose_helpers_skip_repatching_gives_the_same_bits_and_leaves_the_language_restored(monkeypatch):
