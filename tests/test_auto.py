@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from tests.support.processes import run_together
 from tests.support.release import FACTS, MEGATRON
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -119,13 +120,8 @@ def fresh():
             **({k: [sys.executable, "-c", logged + code] for k, code in EXPLICIT.items()} if INSTALL_TESTS else {})}
     env = _env(GDN_COMPAT_AUTO=None, TORCH_CUDA_ARCH_LIST=os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"))
     auto = {"doctor": {}, **{k: {"GDN_COMPAT_LOG": "info"} if k == "log-variable" else {} for k in EXPLICIT}}
-    procs = {k: subprocess.Popen(cmd, env=dict(env, GDN_COMPAT_AUTO="1", **auto[k]) if k in auto else env, cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k, cmd in runs.items()}
-    out = {}
-    for k, proc in procs.items():
-        stdout, stderr = proc.communicate()  # reads both pipes to the end, then waits
-        out[k] = (proc.returncode, stdout, stderr)
-    return out
+    return run_together({k: (cmd, dict(env, GDN_COMPAT_AUTO="1", **auto[k]) if k in auto else env)
+                         for k, cmd in runs.items()}, cwd=ROOT)
 
 
 def _needed() -> set[str]:
@@ -245,13 +241,12 @@ def installed_pth() -> pathlib.Path | None:
 
 def run_children(*envs: dict) -> list[dict]:
     """tests/support/auto_child.py in one fresh process per environment, all at once."""
-    procs = [subprocess.Popen([sys.executable, "-P", str(ROOT / "tests" / "support" / "auto_child.py")], env=_env(**env),
-                              cwd=pathlib.Path(site.getsitepackages()[0]), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for env in envs]
+    child = [sys.executable, "-P", str(ROOT / "tests" / "support" / "auto_child.py")]
+    done = run_together({i: (child, _env(**env)) for i, env in enumerate(envs)},
+                        cwd=pathlib.Path(site.getsitepackages()[0]), timeout=600)
     out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
+    for code, stdout, stderr in done.values():
+        assert code == 0, stderr[-3000:]
         out.append({**json.loads(stdout.strip().splitlines()[-1]), "stderr": stderr})
     return out
 

@@ -4,12 +4,12 @@ tests package; and it fails when packing is not handled."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from gdn_compat._probe import Layout, fla_problem
+from tests.support.processes import run_together
 from tests.support.release import FACTS
 
 DEMO = ["-m", "gdn_compat.demo"]  # the README's command: python -m gdn_compat.demo
@@ -37,15 +37,8 @@ def runs(tmp_path_factory):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("PYTHONPATH", None)
     off = {**env, "GDN_COMPAT_DISABLE": "gdn_thd,gdn_thd_deterministic"}
-    procs = {"shipped": subprocess.Popen([sys.executable, "-c", BLOCK], cwd=away, env=env, text=True,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE),
-             "off": subprocess.Popen([sys.executable, *DEMO], cwd=away, env=off, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)}
-    out = {}
-    for k, proc in procs.items():
-        stdout, stderr = proc.communicate()  # reads both pipes to the end, then waits
-        out[k] = (proc.returncode, stdout, stderr)
-    return out
+    return run_together({"shipped": ([sys.executable, "-c", BLOCK], env), "off": ([sys.executable, *DEMO], off)},
+                        cwd=away)
 
 
 def test_the_demo_runs_a_packed_step_and_finds_it_equal_to_per_sequence_runs(runs):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +19,7 @@ import pytest
 import gdn_compat
 from gdn_compat._probe import FLA_FIX, Accepts, Layout, Thd, Varlen
 from gdn_compat.patches import PATCHES
+from tests.support.processes import run_together
 from tests.support.release import FACTS
 
 OPT_IN = {p.name: True for p in PATCHES if p.opt_in}
@@ -57,12 +57,10 @@ print(json.dumps({"plan": {r.name: [r.status, r.reason] for r in plan},
 
 @pytest.fixture(scope="module")
 def children():
-    procs = {mode: subprocess.Popen([sys.executable, "-c", CHILD, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True) for mode in ("missing", "broken")}
     out = {}
-    for mode, proc in procs.items():
-        stdout, stderr = proc.communicate()
-        assert proc.returncode == 0, stderr[-3000:]
+    for mode, (code, stdout, stderr) in run_together({m: ([sys.executable, "-c", CHILD, m], None)
+                                                      for m in ("missing", "broken")}).items():
+        assert code == 0, stderr[-3000:]
         out[mode] = json.loads(stdout.strip().splitlines()[-1])
     return out
 

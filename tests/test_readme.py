@@ -16,11 +16,11 @@ import os
 import pathlib
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
 
+from tests.support.processes import run_together
 from tests.support.release import FACTS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -234,13 +234,7 @@ def fresh(tmp_path_factory):
     env.pop("PYTHONPATH", None)
     runs = {f"snippet {i}": [sys.executable, "-c", code] for i, code in enumerate(blocks(README, "python"))}
     runs["doctor"] = [sys.executable, "-m", "gdn_compat"]
-    procs = {k: subprocess.Popen(cmd, cwd=away, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for k, cmd in runs.items()}
-    out = {}
-    for k, proc in procs.items():
-        stdout, stderr = proc.communicate()
-        out[k] = (proc.returncode, stdout, stderr)
-    return out
+    return run_together({k: (cmd, env) for k, cmd in runs.items()}, cwd=away)
 
 
 @pytest.mark.heavy
