@@ -23,7 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gdn_compat.patches.gdn_thd import state_cp
+from gdn_compat.patches.gdn_thd import state_cp, state_steps
+from gdn_compat.patches.gdn_thd.pack import host_pack
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,6 +91,8 @@ def main() -> None:
     ap.add_argument("--no-whole", action="store_true", help="skip the no-CP run (a document that does not fit)")
     ap.add_argument("--two-pass", action="store_true", help="also time the first version (a second run of the rule "
                                                              "from the chained states instead of the correction)")
+    ap.add_argument("--no-steps", action="store_true", help="skip fla-core 0.4.2's chunk steps (state_steps.py)")
+    ap.add_argument("--profile", action="store_true", help="print each state-passing variant's CUDA kernels by time")
     args = ap.parse_args()
     if DEVICE == "cuda":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -176,6 +179,17 @@ def measure(rule, d: dict, length: int, cp: int, args) -> dict:
     say("state passing, one rank")
     row["state_passing_rank"] = guarded(rank_step)
     say(f"so far {json.dumps(row)}")
+    variants = {"one_pass": rank_step}
+    if DEVICE == "cuda" and not args.no_steps:
+        say("state passing with fla's chunk steps (state_steps), one rank")
+        steps_step, row["rel_err_fp32_steps"] = steps_rank(d, local, slots, length, cp, args)
+        if steps_step is not None:
+            row["state_passing_steps_rank"] = guarded(steps_step)
+            variants["steps"] = steps_step
+        say(f"so far {json.dumps(row)}")
+    if args.profile and DEVICE == "cuda":
+        for name, fn in variants.items():
+            profile(name, fn)
     if args.two_pass:
         say("state passing in two passes (the first version), one rank")
         row["state_passing_two_pass_rank"] = guarded(rank_step_two_pass)
@@ -196,6 +210,72 @@ def measure(rule, d: dict, length: int, cp: int, args) -> dict:
     }
     row["wall_s"] = time.perf_counter() - t0
     return row
+
+
+def steps_rank(d: dict, local: list, slots: list, length: int, cp: int, args):
+    """fla-core 0.4.2's chunk steps (``state_steps.FlaSteps``): (rank 0's share forward + backward, or None where the
+    installed fla has not those steps; the forward's distance from fp32 with every rank chained in this process).
+    The step's two all_gathers return rank 0's own part stacked with the other ranks' (their final states from this
+    process; zeros for their start-state gradients: the time, not the values)."""
+    from gdn_compat._probe.fla import state_steps as probe
+
+    found, why = probe()
+    if found.value != "yes":
+        return None, {"skipped": why}
+    scale = args.dk ** -0.5
+    every_steps = [state_steps.FlaSteps(host_pack(s.cu, DEVICE), scale) for s in slots]
+    err: dict = {}
+    with torch.no_grad():
+        ends = torch.stack([st.ends(*(x[n].contiguous() for n in NAMES))[0] for st, x in zip(every_steps, local)])
+        if not args.no_numerics:
+            dk = args.dk
+            outs = []
+            for st, x, s in zip(every_steps, local, slots):
+                B, A = ends.split([ends.shape[-1] - dk, dk], dim=-1)
+                xs = [x[n].contiguous() for n in NAMES]
+                _, cache = st.ends(*xs)
+                outs.append(st.run(*xs, state_cp.start_states(A, B, s).contiguous(), cache)[0])
+            truth, _ = chunk_rule_fp32(d, length)
+            err = {"state_passing_steps": rel(unshard(outs, cp), truth)}
+            del outs, truth
+    x0 = {n: t.detach().contiguous().requires_grad_(True) for n, t in local[0].items()}
+    original = state_cp.gather
+
+    def stand_in(x: torch.Tensor, group) -> torch.Tensor:  # the all_gather: rank 0's part, then the others'
+        others = ends[1:] if x.shape == ends.shape[1:] else x.new_zeros(cp - 1, *x.shape)
+        return torch.cat([x[None], others])
+
+    def step() -> None:
+        state_cp.gather = stand_in
+        try:
+            o = state_steps.delta_rule(every_steps[0], *(x0[n] for n in NAMES), slots[0], None)
+            o.backward(torch.ones_like(o))
+        finally:
+            state_cp.gather = original
+
+    return step, err
+
+
+def chunk_rule_fp32(d: dict, length: int):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    offsets = torch.tensor([0, length], dtype=torch.int32, device=DEVICE)
+    return chunk_gated_delta_rule(*(d[n].float() for n in ("q", "k", "v")), g=d["g"], beta=d["beta"].float(),
+                                  use_qk_l2norm_in_kernel=False, cu_seqlens=offsets)
+
+
+def profile(name: str, fn) -> None:
+    """Print ``fn``'s CUDA kernels by total time (one call after a warm-up)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"[profile {name}]\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60),
+          flush=True)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -291,8 +291,11 @@ def _cp_modes(f: dict, patches: list[dict]) -> str:
     elif "opt-in, off by default" in state.get("reason", ""):
         passing = "available, apply(gdn_cp_state=True)"
     else:
-        passing = f"not here ({state.get('reason', 'unknown')})"
-    return f"head all-to-all: {heads}; state passing (gdn_cp_state): {passing}"
+        return f"head all-to-all: {heads}; state passing (gdn_cp_state): not here ({state.get('reason', 'unknown')})"
+    steps = f["fla_varlen"].get("state_steps")
+    how = ("fla's chunk steps, the transitions apart from the rule" if steps == "yes" else
+           f"the rule once K + V wide (fla-core 0.4.2's chunk steps: {steps}, note fla_state_steps)")
+    return f"head all-to-all: {heads}; state passing (gdn_cp_state): {passing}, on the GPU {how}"
 
 
 def main(argv: list[str] | None = None) -> int:

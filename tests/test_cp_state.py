@@ -9,15 +9,18 @@ truth as the same rule over whole sequences on one rank (cp = 1) is.
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from gdn_compat._probe import Accepts
 from gdn_compat.fused import reference as R
-from gdn_compat.patches.gdn_thd import state_cp
+from gdn_compat.patches.gdn_thd import state_cp, state_steps
 from tests.support.gdn import err_of, offsets, shard, unshard
 from tests.support.release import FACTS, MEGATRON
 
@@ -86,14 +89,21 @@ def _rank(rank: int, cp: int, port: int, path: str, lengths: list[int]) -> None:
         mine = {n: shard(data[n], lengths, cp, rank).float().requires_grad_(True)
                 for n in ("q", "k", "v", "g", "beta", "x")}
         w, b = data["w"].float().requires_grad_(True), data["b"].float().requires_grad_(True)
-        o = state_cp.delta_rule(state_cp.per_slot(release_torch_rule()), *(mine[n][None] for n in ("q", "k", "v")),
-                                mine["g"][None], mine["beta"][None], slots, dist.group.WORLD)[0]
+        rule = state_cp.per_slot(release_torch_rule())
+        qkvgb = [mine[n][None] for n in ("q", "k", "v", "g", "beta")]
+        o = state_cp.delta_rule(rule, *qkvgb, slots, dist.group.WORLD)[0]
         y = F.silu(state_cp.conv(mine["x"], w, b, slots, dist.group.WORLD))
-        loss = (o * shard(data["do"], lengths, cp, rank).float()).sum() \
-            + (y * shard(data["dy"], lengths, cp, rank).float()).sum()
+        do = shard(data["do"], lengths, cp, rank).float()
+        loss = (o * do).sum() + (y * shard(data["dy"], lengths, cp, rank).float()).sum()
         loss.backward()
         got = {"o": o.detach(), "y": y.detach(), **{f"d{n}": t.grad for n, t in mine.items()},
                "dw": w.grad, "db": b.grad}
+        # the same rule as fla's steps run it (state_steps: transitions, start states, the rule from them; backward:
+        # start-state gradients, final-state gradients chained back, the rule's backward), with the torch rule
+        leaves = [t.detach().clone().requires_grad_(True) for t in qkvgb]
+        o = state_steps.delta_rule(state_steps.TorchSteps(rule, slots), *leaves, slots, dist.group.WORLD)[0]
+        (o * do).sum().backward()
+        got.update({"steps o": o.detach(), **{f"steps d{n}": t.grad[0] for n, t in zip("q k v g beta".split(), leaves)}})
         every = [None] * cp
         dist.all_gather_object(every, got)
         if rank == 0:
@@ -121,6 +131,73 @@ def test_each_token_is_carried_by_the_start_state_of_its_own_slot(cp):
     torch.testing.assert_close(state_cp.carried(carry, start, slots), want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_final_state_gradients_chained_back_are_the_adjoint_of_the_start_states(cp):
+    """``end_grads`` (state_steps' backward) against autograd through ``start_states`` (its forward): with each
+    slot's start state weighted by ``D``, the gradient at a slot's final-state term ``B`` is what ``end_grads``
+    gives that slot. Every rank of cp = 1, 2, 4; a pack of three sequences, float64."""
+    lengths = [2 * cp * n for n in (3, 0, 5, 1)]
+    gen = torch.Generator().manual_seed(cp)
+    rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    pieces = 2 * sum(1 for n in lengths if n)
+    A, D = rand(cp, pieces, 2, DK, DK) * 0.5, rand(cp, pieces, 2, DK, DV)
+    B = rand(cp, pieces, 2, DK, DV).requires_grad_(True)
+    every = [state_cp.Slots.of(lengths, cp, r) for r in range(cp)]
+    sum((state_cp.start_states(A, B, slots) * D[r]).sum() for r, slots in enumerate(every)).backward()
+    for r, slots in enumerate(every):
+        torch.testing.assert_close(state_cp.end_grads(A, D, slots), B.grad[r], rtol=1e-12, atol=1e-12)
+
+
+# fla-core's chunk functions as their wheels define them (parameter names read from fla_core-0.4.2 and 0.5.0)
+FLA_042 = {
+    "chunk_gated_delta_rule_fwd": "q k v g beta scale initial_state output_final_state cu_seqlens cp_context "
+                                  "chunk_indices transpose_state_layout",
+    "chunk_gated_delta_rule_bwd": "q k v g beta A scale initial_state do dht cu_seqlens cp_context chunk_indices "
+                                  "transpose_state_layout",
+    "chunk_local_cumsum": "g chunk_size reverse scale cu_seqlens head_first output_dtype chunk_indices",
+    "chunk_scaled_dot_kkt_fwd": "k g beta cu_seqlens chunk_size output_dtype chunk_indices",
+    "solve_tril": "A cu_seqlens chunk_indices output_dtype",
+    "recompute_w_u_fwd": "k v beta A g cu_seqlens chunk_indices",
+    "chunk_gated_delta_rule_fwd_h": "k w u g gk initial_state output_final_state chunk_size save_new_value "
+                                    "cu_seqlens cu_seqlens_cpu chunk_indices use_exp2 transpose_state_layout",
+    "chunk_fwd_o": "q k v h g g_gamma scale cu_seqlens chunk_size chunk_indices transpose_state_layout",
+    "chunk_bwd_dv_local": "q k do g g_gamma A scale cu_seqlens chunk_size chunk_indices",
+    "chunk_gated_delta_rule_bwd_dhu": "q k w do dv g gk h0 dht scale cu_seqlens chunk_size chunk_indices use_exp2 "
+                                      "transpose_state_layout",
+}
+FLA_050 = {**FLA_042, "chunk_gated_delta_rule_fwd": "q k v g beta scale initial_state output_final_state cu_seqlens "
+                                                    "cp_context chunk_indices use_exp2 transpose_state_layout "
+                                                    "use_gate_in_kernel A_log dt_bias"}
+
+
+def chunk_module(signatures: dict) -> types.SimpleNamespace:
+    def function(params: str):
+        f = lambda *args, **kwargs: None  # noqa: E731
+        f.__signature__ = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                             for p in params.split()])
+        return f
+
+    return types.SimpleNamespace(**{name: function(params) for name, params in signatures.items()})
+
+
+def test_the_fla_steps_are_taken_only_in_fla_core_0_4_2s_shape():
+    """gdn_cp_state's fla path calls fla's chunk functions one by one, as 0.4.2's forward and backward call them:
+    0.4.2's signatures pass; 0.5.0 (gates in base 2: use_exp2 in its forward), a step without a keyword it is handed,
+    and the installed fla (0.6.0 in the test sessions: steps fused, state_v_first) are refused, saying why."""
+    from gdn_compat._probe.fla import state_steps
+
+    assert state_steps(chunk_module(FLA_042))[0] is Accepts.YES
+    found, why = state_steps(chunk_module(FLA_050))
+    assert found is Accepts.NO and "use_exp2" in why, why
+    no_indices = {**FLA_042, "solve_tril": "A cu_seqlens output_dtype"}  # fla-core 0.4.1's solve_tril
+    found, why = state_steps(chunk_module(no_indices))
+    assert found is Accepts.NO and why == "its solve_tril lacks chunk_indices", why
+    if FACTS.fla_varlen.rule is Accepts.YES and FACTS.fla and FACTS.fla.version.startswith("0.6"):
+        found, why = state_steps()
+        assert found is Accepts.NO and "state_v_first" in why, why
+        assert FACTS.fla_varlen.state_steps is Accepts.NO and FACTS.notes["fla_state_steps"] == why
+
+
 @ONE_RELEASE
 @pytest.mark.skipif(FACTS.gdn == "absent", reason=f"{FACTS.release} has no GatedDeltaNet (its torch rule)")
 @pytest.mark.parametrize("cp", [2, 4])
@@ -135,9 +212,10 @@ def test_state_passed_between_ranks_is_as_close_to_the_float64_truth_as_cp1(cp):
         path = os.path.join(tmp, "out.pt")
         spawn(_rank, (cp, free_port(), path, lengths), cp)
         every = torch.load(path)
-    for name in ("o", "y", "dq", "dk", "dv", "dg", "dbeta", "dx"):
+    for name in ("o", "y", "dq", "dk", "dv", "dg", "dbeta", "dx", *(f"steps {n}" for n in "o dq dk dv dg dbeta".split())):
         got = unshard([e[name] for e in every], lengths, cp)
-        err, base = err_of(got, truth[name]), err_of(cp1[name], truth[name])
+        want = name.removeprefix("steps ")
+        err, base = err_of(got, truth[want]), err_of(cp1[want], truth[want])
         assert err <= 2 * base, f"cp {cp} {name}: {err:.2e} from the float64 truth; cp = 1: {base:.2e}"
     for name in ("dw", "db"):  # parameters: each rank's gradient is its tokens' part, summed as DP x CP does
         got = sum(e[name] for e in every)

@@ -107,6 +107,7 @@ class Varlen:
     rule_chunks: Accepts = Accepts.ABSENT  # chunk_gated_delta_rule(chunk_indices=) (fla-core >= 0.6)
     rule_inner: Accepts = Accepts.ABSENT  # fla's chunk_gated_delta_rule_fwd/_bwd take chunk_indices (0.4.x)
     conv_chunks: Accepts = Accepts.ABSENT  # causal_conv1d(chunk_indices=)
+    state_steps: Accepts = Accepts.ABSENT  # fla-core 0.4.2's chunk steps, as gdn_cp_state's fla path calls them
 
     @property
     def usable(self) -> bool:

@@ -29,10 +29,11 @@ def _probe_fla(out: dict[str, Any]) -> None:
     else:
         if out["fla"] is not None:
             out["fla"] = dataclasses.replace(out["fla"], path=getattr(sys.modules.get("fla"), "__file__", None))
+        steps, out["notes"]["fla_state_steps"] = state_steps()
         out["fla_varlen"] = Varlen(rule=accepts(rule, "cu_seqlens"), rule_cpu=accepts(rule, "cu_seqlens_cpu"),
                                    conv=accepts(conv, "cu_seqlens"), conv_cpu=accepts(conv, "cu_seqlens_cpu"),
                                    rule_chunks=accepts(rule, "chunk_indices"), rule_inner=_inner_rule(),
-                                   conv_chunks=accepts(conv, "chunk_indices"))
+                                   conv_chunks=accepts(conv, "chunk_indices"), state_steps=steps)
         out["fla_atomic_free"], out["notes"]["fla_atomic_free"] = atomic_free(rule, conv)
         out["fla_zero_length"], out["notes"]["fla_zero_length"] = zero_length()
         out["fla_blackwell_wy_guard"] = _blackwell_wy_guard()
@@ -127,6 +128,48 @@ def _inner_rule() -> Accepts:
     except Exception:  # noqa: BLE001 - unreadable: not used
         return Accepts.UNKNOWN
     return Accepts.YES if ok else Accepts.NO
+
+
+# gdn_cp_state's fla steps (gdn_thd/state_steps.py) call fla's chunk functions one by one, by keyword, in the order
+# fla-core 0.4.2's chunk_gated_delta_rule_fwd / _bwd call them. The forward's exact parameters tell that order's
+# release: 0.4.0/0.4.1 take no chunk_indices, 0.5.0 adds use_exp2 (gates in base 2), 0.5.2+ state_v_first and fused
+# steps; those keep the one-pass path.
+STATE_FWD = {"q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens", "cp_context",
+             "chunk_indices", "transpose_state_layout"}
+_AT = {"cu_seqlens", "chunk_indices"}
+STATE_STEPS = {
+    "chunk_local_cumsum": {"g", "chunk_size"} | _AT,
+    "chunk_scaled_dot_kkt_fwd": {"k", "g", "beta", "output_dtype"} | _AT,
+    "solve_tril": {"A", "output_dtype"} | _AT,
+    "recompute_w_u_fwd": {"k", "v", "beta", "A", "g"} | _AT,
+    "chunk_gated_delta_rule_fwd_h": {"k", "w", "u", "g", "initial_state", "output_final_state", "save_new_value"} | _AT,
+    "chunk_fwd_o": {"q", "k", "v", "h", "g", "scale"} | _AT,
+    "chunk_bwd_dv_local": {"q", "k", "g", "do", "scale"} | _AT,
+    "chunk_gated_delta_rule_bwd_dhu": {"q", "k", "w", "g", "h0", "dht", "do", "dv", "scale"} | _AT,
+    "chunk_gated_delta_rule_bwd": INNER_BWD,
+}
+
+
+def state_steps(module: Any = None) -> tuple[Accepts, str]:
+    """Whether fla's chunk module (``module``; default the installed ``fla.ops.gated_delta_rule.chunk``) has the
+    steps gdn_cp_state's fla path calls, in fla-core 0.4.2's shape: its forward's parameters exactly 0.4.2's, and
+    every step by that name taking the keywords passed to it."""
+    try:
+        module = module or importlib.import_module("fla.ops.gated_delta_rule.chunk")
+        fwd = set(inspect.signature(module.chunk_gated_delta_rule_fwd).parameters)
+        if fwd != STATE_FWD:
+            return Accepts.NO, (f"its chunk_gated_delta_rule_fwd is not fla-core 0.4.2's (parameters added: "
+                                f"{sorted(fwd - STATE_FWD) or 'none'}, missing: {sorted(STATE_FWD - fwd) or 'none'})")
+        for name, keywords in STATE_STEPS.items():
+            step = getattr(module, name, None)
+            missing = sorted(keywords - set(inspect.signature(step).parameters)) if step is not None else ["itself"]
+            if missing:
+                return Accepts.NO, f"its {name} lacks {', '.join(missing)}"
+    except AttributeError as exc:
+        return Accepts.ABSENT, f"no chunk forward ({exc})"
+    except Exception as exc:  # noqa: BLE001 - unreadable: not used
+        return Accepts.UNKNOWN, _why(exc)
+    return Accepts.YES, "fla-core 0.4.2's chunk steps: the forward's parameters and every step's keywords"
 
 
 # Order-dependent accumulation: Triton atomics, and torch's accumulating index ops (atomics on CUDA).

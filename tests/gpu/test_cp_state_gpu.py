@@ -7,7 +7,9 @@ zero-length entry and padding. Every rank builds the layer twice from the same w
 (cp = 1, the whole pack, the packed path the other GPU tests hold to per-sequence runs) and with the two-rank group
 (cp = 2, its load-balanced shard). Output, input gradient and every parameter gradient (summed over the ranks, as
 megatron's DP x CP reduction does) must be as close to the float64 truth as cp = 1 is (within 2x: bf16 rounds the
-two differently). The CPU file tests/test_cp_state.py holds the same contract with the release's torch rule.
+two differently). With fla-core 0.4.2 the rule runs as fla's chunk steps with the transitions apart
+(gdn_thd/state_steps.py); with another fla once K + V wide (state_cp.py): the test checks which one ran. The CPU file
+tests/test_cp_state.py holds the same contract with the release's torch rule.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tempfile
 import pytest
 import torch
 
+from gdn_compat._probe import Accepts
 from tests.support.gdn import err_of, offsets, reference_gdn, unshard
 from tests.support.release import FACTS, MEGATRON, skip_reason
 
@@ -54,15 +57,28 @@ def _case():
 
 def _worker(rank: int, port: int, folder: str) -> None:
     import gdn_compat
+    from gdn_compat.patches.gdn_thd import state_steps
     from tests.support.megatron import world
 
+    calls = []
+    original = state_steps.delta_rule
+
+    def counted(steps, *args):  # which steps ran: fla-core 0.4.2's (FlaSteps) or none (the one-pass path)
+        calls.append(type(steps).__name__)
+        return original(steps, *args)
+
+    state_steps.delta_rule = counted
     with world(rank, 2, cp=2, port=port, cuda=True, backend="gloo"), \
             gdn_compat.applied(gdn_cp_state=True) as report:
         assert "gdn_cp_state" in report.applied, report
-        _check(rank, folder)
+        _check(rank, folder, calls)
 
 
-def _check(rank: int, folder: str) -> None:
+def _fla_steps() -> bool:
+    return FACTS.fla_varlen.state_steps is Accepts.YES
+
+
+def _check(rank: int, folder: str, calls: list) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -82,7 +98,7 @@ def _check(rank: int, folder: str) -> None:
     g2 = {n: g.float() for n, g in g2.items()}
     for g in g2.values():
         dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
-    result = {"out2": out2.cpu(), "gx2": gx2.cpu()}
+    result = {"out2": out2.cpu(), "gx2": gx2.cpu(), "calls": calls}
     if rank == 0:
         result |= {"out1": out1.cpu(), "gx1": gx1.cpu(), "g1": {n: g.cpu() for n, g in g1.items()},
                    "g2": {n: g.cpu() for n, g in g2.items()},
@@ -111,6 +127,10 @@ def test_state_passing_at_cp2_is_as_close_to_the_float64_truth_as_cp1_with_fla()
              "input grad": (gx2, r0["gx1"][:, 0], x64.grad)}
     pairs |= {f"{n} grad": (r0["g2"][n], r0["g1"][n], params[n].grad) for n in params}
     failures = []
+    steps = {r: got[r]["calls"] for r in range(2)}
+    print(f"\n[cp-state-gpu {MEGATRON}] fla {FACTS.fla}: the steps each rank ran: {steps}", end="")
+    if steps[0] != (["FlaSteps"] if _fla_steps() else []) or steps[1] != steps[0]:
+        failures.append(f"fla's chunk steps {FACTS.fla_varlen.state_steps}, but the ranks ran {steps}")
     for what, (ours, one, want) in pairs.items():
         err, base = err_of(ours, want), err_of(one, want)
         print(f"\n[cp-state-gpu {MEGATRON}] {what}: cp2 {err:.3g}  cp1 {base:.3g} (from float64)", end="")

@@ -61,14 +61,15 @@ GRAPH_SAFE_FLASHQLA_HEADS = 32
 GRAPH_SAFE_FEW_HEADS = "a graph-safe pack"  # how that reason starts: note() says it at INFO
 
 
-def note(path: str, reason: str, instead: str | None = None) -> None:
+def note(path: str, reason: str, instead: str | None = None, quiet: bool = False) -> None:
     """Log once per process that a call did not take ``path``, which the user switched on, why, and what runs
     instead (by default the call as with that one switch off: the other switch stays on, so it is not "the default
     path"): a WARNING (the reason is the layer's, the GPU's or the install's, so every such call falls back), INFO for
-    an empty pack and for a graph-safe pack of few value heads (a choice made for speed, not a shortfall)."""
+    an empty pack, for a graph-safe pack of few value heads (a choice made for speed, not a shortfall) and where
+    ``quiet`` (nothing the user can change falls back to a slower correct route)."""
     if (path, reason) not in _said:
         _said.add((path, reason))
-        quiet = reason == EMPTY_PACK or reason.startswith(GRAPH_SAFE_FEW_HEADS)
+        quiet = quiet or reason == EMPTY_PACK or reason.startswith(GRAPH_SAFE_FEW_HEADS)
         log.log(logging.INFO if quiet else logging.WARNING, "%s not used for a packed GDN call: %s; %s (said once per "
                 "process)", path, reason, instead or f"such calls run as with {path} off")
 

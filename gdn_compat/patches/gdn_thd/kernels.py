@@ -262,7 +262,7 @@ class Core:
     def state_passing(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, group: Any):
         """gdn_cp_state: (delta-rule output, gate z) of this rank's slots of every sequence, with all of its tensor-
         parallel rank's heads; the conv's halo and the rule's state come from the slots before (``state_cp.py``)."""
-        from gdn_compat.patches.gdn_thd import state_cp
+        from gdn_compat.patches.gdn_thd import state_cp, state_steps
 
         key = ("state_cp", group.size(), group.rank(), qkv.device)
         if key not in pack.memo:  # once per pack: this rank's slots, and a pack of them for fla (host pack only)
@@ -280,7 +280,15 @@ class Core:
         if self.fast.flashqla:
             fast.note("gdn_flashqla", "context parallelism that passes the state (gdn_cp_state) runs its rule in "
                                       "one pass of fla's or the release's (from [0, I], corrected by the chained states)")
+        if fla and self.varlen.state_steps is Accepts.YES:  # fla-core 0.4.2: the transitions apart from the rule
+            steps = state_steps.FlaSteps(pieces, key.shape[-1] ** -0.5)
+            return state_steps.delta_rule(steps, query, key, value, g, beta, slots, group), gate
         if fla:
+            fast.note("gdn_cp_state's steps with fla-core 0.4.2", "the installed fla's chunk steps are not in "
+                      "fla-core 0.4.2's shape (`python -m gdn_compat doctor -v` says why)",
+                      instead="gdn_cp_state runs the delta rule once K + V wide through fla's public entry instead "
+                              "(the same result, about twice the compute)", quiet=True)
+
             def rule(q, k, v, g, beta, initial_state, cu):  # cu: the pieces' offsets, which ``pieces`` holds
                 return self.rule_from(q, k, v, g, beta, pieces, initial_state)
         else:  # the CPU, or deterministic_mode with fla kernels that use atomics: the release's torch rule

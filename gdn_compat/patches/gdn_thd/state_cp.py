@@ -189,6 +189,24 @@ def start_states(A: torch.Tensor, B: torch.Tensor, slots: Slots) -> torch.Tensor
     return torch.stack([mine[0], mine[1]], dim=1).reshape(B.shape[1:])
 
 
+def end_grads(A: torch.Tensor, D: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """The gradient each of this rank's pieces gets at its final state, ``[P, H, K, V]``: the loss's gradient at the
+    start state of the slot after it in its sequence (zero after a sequence's last slot). ``A`` ``[cp, P, H, K, K]``
+    are every rank's slot transitions and ``D`` ``[cp, P, H, K, V]`` the gradient each slot's outputs alone give its
+    start state; a slot's start-state gradient is ``D + A^T`` (its final-state gradient), chained back from the
+    last slot (the adjoint of ``start_states``)."""
+    grad = D.new_zeros(D.shape[1] // 2, *D.shape[2:])
+    mine: list[torch.Tensor | None] = [None, None]
+    for rank, part in reversed(slots.order()):
+        if rank == slots.rank:
+            mine[part] = grad
+            if part == 0:
+                break
+        grad = A[rank, part::2].transpose(-1, -2) @ grad + D[rank, part::2]
+    assert mine[0] is not None and mine[1] is not None
+    return torch.stack([mine[0], mine[1]], dim=1).reshape(D.shape[1:])
+
+
 def delta_rule(rule: Rule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                slots: Slots, group: Any) -> torch.Tensor:
     """The gated delta rule over whole sequences of which this rank holds ``slots``: ``q``/``k`` ``[1, T, H, K]``
