@@ -223,7 +223,7 @@ def steps_rank(d: dict, local: list, slots: list, length: int, cp: int, args):
     if found.value != "yes":
         return None, {"skipped": why}
     scale = args.dk ** -0.5
-    every_steps = [state_steps.FlaSteps(host_pack(s.cu, DEVICE), scale) for s in slots]
+    every_steps = [state_steps.FlaSteps(host_pack(s.cu, torch.device(DEVICE)), scale) for s in slots]
     err: dict = {}
     with torch.no_grad():
         ends = torch.stack([st.ends(*(x[n].contiguous() for n in NAMES))[0] for st, x in zip(every_steps, local)])
