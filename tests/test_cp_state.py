@@ -164,6 +164,8 @@ FLA_042 = {
     "chunk_bwd_dv_local": "q k do g g_gamma A scale cu_seqlens chunk_size chunk_indices",
     "chunk_gated_delta_rule_bwd_dhu": "q k w do dv g gk h0 dht scale cu_seqlens chunk_size chunk_indices use_exp2 "
                                       "transpose_state_layout",
+    "chunk_bwd_dqkwg": "q k v do h dh w g g_gamma dv scale cu_seqlens chunk_size chunk_indices transpose_state_layout",
+    "prepare_wy_repr_bwd": "k v beta A dw du g cu_seqlens chunk_indices",
 }
 FLA_050 = {**FLA_042, "chunk_gated_delta_rule_fwd": "q k v g beta scale initial_state output_final_state cu_seqlens "
                                                     "cp_context chunk_indices use_exp2 transpose_state_layout "

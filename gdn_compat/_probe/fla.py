@@ -138,7 +138,7 @@ STATE_FWD = {"q", "k", "v", "g", "beta", "scale", "initial_state", "output_final
              "chunk_indices", "transpose_state_layout"}
 _AT = {"cu_seqlens", "chunk_indices"}
 STATE_STEPS = {
-    "chunk_local_cumsum": {"g", "chunk_size"} | _AT,
+    "chunk_local_cumsum": {"g", "chunk_size", "reverse"} | _AT,
     "chunk_scaled_dot_kkt_fwd": {"k", "g", "beta", "output_dtype"} | _AT,
     "solve_tril": {"A", "output_dtype"} | _AT,
     "recompute_w_u_fwd": {"k", "v", "beta", "A", "g"} | _AT,
@@ -146,7 +146,8 @@ STATE_STEPS = {
     "chunk_fwd_o": {"q", "k", "v", "h", "g", "scale"} | _AT,
     "chunk_bwd_dv_local": {"q", "k", "g", "do", "scale"} | _AT,
     "chunk_gated_delta_rule_bwd_dhu": {"q", "k", "w", "g", "h0", "dht", "do", "dv", "scale"} | _AT,
-    "chunk_gated_delta_rule_bwd": INNER_BWD,
+    "chunk_bwd_dqkwg": {"q", "k", "v", "w", "g", "h", "dv", "do", "dh", "scale"} | _AT,
+    "prepare_wy_repr_bwd": {"k", "v", "beta", "g", "A", "dw", "du"} | _AT,
 }
 
 

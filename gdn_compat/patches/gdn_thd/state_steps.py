@@ -11,9 +11,10 @@ parallelism (fla PR #691, fla.ops.cp, whose layout cannot hold megatron's per-se
   (``state_cp.start_states``), then the recurrence and the outputs from ``S_in``, ``V`` wide, as fla runs them;
 * backward: ``D``, the gradient a slot's own outputs give its start state (the backward's state recurrence alone,
   ``chunk_gated_delta_rule_bwd_dhu`` with no final-state gradient), one all_gather, each slot's final-state gradient
-  chained back from the sequence's last slot (``state_cp.end_grads``), then fla's backward from ``S_in`` with that
-  final-state gradient, which gives every input's whole gradient (its outputs' and, through the states after it, the
-  later slots').
+  chained back from the sequence's last slot (``state_cp.end_grads``), then the rest of fla's backward from ``S_in``
+  with that final-state gradient, which gives every input's whole gradient (its outputs' and, through the states
+  after it, the later slots'). ``w``, ``u`` and the local ``dv`` of the first pass are reused by the second, so the
+  backward recomputes them once, as fla's own does.
 
 ``FlaSteps`` is that on the GPU; ``TorchSteps`` runs the same orchestration with a torch rule and autograd (the CPU
 tests). Which fla has the steps in that shape: ``gdn_compat._probe.fla.state_steps`` (fla-core 0.4.2; 0.5 and 0.6
@@ -52,7 +53,7 @@ class _StatePassing(torch.autograd.Function):
     def backward(ctx, do):  # type: ignore[override]
         q, k, v, g, beta, start, A, *cache = ctx.saved_tensors
         do = do.contiguous()
-        D = ctx.steps.start_grad(q, k, v, g, beta, start, do, cache)  # [P, H, K, V]
+        D, cache = ctx.steps.start_grad(q, k, v, g, beta, start, do, cache)  # D: [P, H, K, V]
         final = state_cp.end_grads(A, state_cp.gather(D, ctx.group), ctx.slots).contiguous()
         return (*ctx.steps.grads(q, k, v, g, beta, start, do, final, cache), None, None, None)
 
@@ -73,7 +74,7 @@ class FlaSteps:
 
     NAMES = ("chunk_local_cumsum", "chunk_scaled_dot_kkt_fwd", "solve_tril", "recompute_w_u_fwd",
              "chunk_gated_delta_rule_fwd_h", "chunk_fwd_o", "chunk_bwd_dv_local", "chunk_gated_delta_rule_bwd_dhu",
-             "chunk_gated_delta_rule_bwd")
+             "chunk_bwd_dqkwg", "prepare_wy_repr_bwd")
     MODULE = "fla.ops.gated_delta_rule.chunk"  # the module whose forward and backward call these names
 
     def __init__(self, pieces: Any, scale: float):
@@ -109,17 +110,27 @@ class FlaSteps:
     def start_grad(self, q, k, v, g, beta, start, do, cache):
         f, at = self.f, self._at()
         g, A = cache
-        w, _ = f["recompute_w_u_fwd"](k=k, v=v, beta=beta, A=A, g=g, **at)
+        w, u = f["recompute_w_u_fwd"](k=k, v=v, beta=beta, A=A, g=g, **at)
         dv = f["chunk_bwd_dv_local"](q=q, k=k, g=g, do=do, scale=self.scale, **at)
         _, d, _ = f["chunk_gated_delta_rule_bwd_dhu"](q=q, k=k, w=w, g=g, h0=start, dht=None, do=do, dv=dv,
                                                       scale=self.scale, **at)
-        return d
+        return d, (g, A, w, u, dv)
 
     def grads(self, q, k, v, g, beta, start, do, final, cache):
-        g_in, (g, A) = g, cache
-        dq, dk, dv, db, dg, _ = self.f["chunk_gated_delta_rule_bwd"](q=q, k=k, v=v, g=g, beta=beta, A=A,
-                                                                     scale=self.scale, initial_state=start, do=do,
-                                                                     dht=final, **self._at())
+        # the rest of fla-core 0.4.2's chunk_gated_delta_rule_bwd, in its order, from the first pass's w, u and dv
+        f, at = self.f, self._at()
+        g_in, (g, A, w, u, dv) = g, cache
+        h, v_new, _ = f["chunk_gated_delta_rule_fwd_h"](k=k, w=w, u=u, g=g, initial_state=start,
+                                                        output_final_state=False, **at)
+        # h0=None: the start state's gradient is not wanted here (D above, chained by end_grads)
+        dh, _, dv = f["chunk_gated_delta_rule_bwd_dhu"](q=q, k=k, w=w, g=g, h0=None, dht=final, do=do, dv=dv,
+                                                        scale=self.scale, **at)
+        dq, dk, dw, dg = f["chunk_bwd_dqkwg"](q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv, do=do, dh=dh,
+                                              scale=self.scale, **at)
+        dk2, dv, db, dg2 = f["prepare_wy_repr_bwd"](k=k, v=v, beta=beta, g=g, A=A, dw=dw, du=dv, **at)
+        dk.add_(dk2)
+        dg.add_(dg2)
+        dg = f["chunk_local_cumsum"](dg, chunk_size=CHUNK, reverse=True, **at)
         return dq.to(q), dk.to(k), dv.to(v), dg.to(g_in), db.to(beta)
 
 
@@ -143,7 +154,7 @@ class TorchSteps:
             s = start.detach().requires_grad_(True)
             o, _ = self.rule(q, k, v, g, beta, s, self.slots.cu)
             (d,) = torch.autograd.grad(o, s, do)
-        return d
+        return d, ()
 
     def grads(self, q, k, v, g, beta, start, do, final, cache):
         with torch.enable_grad():
