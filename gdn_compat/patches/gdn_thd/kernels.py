@@ -278,8 +278,9 @@ class Core:
         )
         g, beta = self.gate(layer, g_and_beta)(loc.A_log, loc.dt_bias, alpha, beta)
         if self.fast.flashqla:
-            fast.note("gdn_flashqla", "context parallelism that passes the state (gdn_cp_state) runs its rule in "
-                                      "one pass of fla's or the release's (from [0, I], corrected by the chained states)")
+            fast.note("gdn_flashqla", "context parallelism that passes the state (gdn_cp_state) runs its own rule: "
+                                      "fla's chunk steps (fla-core 0.4.2), else one pass of fla's or the release's "
+                                      "(from [0, I], corrected by the chained states)")
         if fla and self.varlen.state_steps is Accepts.YES:  # fla-core 0.4.2: the transitions apart from the rule
             steps = state_steps.FlaSteps(pieces, key.shape[-1] ** -0.5)
             return state_steps.delta_rule(steps, query, key, value, g, beta, slots, group), gate
