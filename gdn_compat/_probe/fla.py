@@ -117,10 +117,13 @@ INNER_FWD = {"q", "k", "v", "g", "beta", "scale", "initial_state", "output_final
 INNER_BWD = {"q", "k", "v", "g", "beta", "A", "scale", "initial_state", "do", "dht", "cu_seqlens", "chunk_indices"}
 
 
+CHUNK_MODULE = "fla.ops.gated_delta_rule.chunk"  # fla's chunk forward / backward and the steps they call
+
+
 def _inner_rule() -> Accepts:
     """fla's ``chunk_gated_delta_rule_fwd`` / ``_bwd`` take every argument gdn_thd's ``_Rule`` passes."""
     try:
-        mod = importlib.import_module("fla.ops.gated_delta_rule.chunk")
+        mod = importlib.import_module(CHUNK_MODULE)
         fwd, bwd = mod.chunk_gated_delta_rule_fwd, mod.chunk_gated_delta_rule_bwd
         ok = INNER_FWD <= set(inspect.signature(fwd).parameters) and INNER_BWD <= set(inspect.signature(bwd).parameters)
     except AttributeError:
@@ -156,7 +159,7 @@ def state_steps(module: Any = None) -> tuple[Accepts, str]:
     steps gdn_cp_state's fla path calls, in fla-core 0.4.2's shape: its forward's parameters exactly 0.4.2's, and
     every step by that name taking the keywords passed to it."""
     try:
-        module = module or importlib.import_module("fla.ops.gated_delta_rule.chunk")
+        module = module or importlib.import_module(CHUNK_MODULE)
         fwd = set(inspect.signature(module.chunk_gated_delta_rule_fwd).parameters)
         if fwd != STATE_FWD:
             return Accepts.NO, (f"its chunk_gated_delta_rule_fwd is not fla-core 0.4.2's (parameters added: "

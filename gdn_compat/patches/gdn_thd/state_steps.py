@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from gdn_compat._autograd import once_differentiable
+from gdn_compat._probe.fla import CHUNK_MODULE, STATE_STEPS
 from gdn_compat.patches.gdn_thd import state_cp
-
-CHUNK = 64
+from gdn_compat.patches.gdn_thd.pack import CHUNK
 
 
 class _StatePassing(torch.autograd.Function):
@@ -72,14 +72,11 @@ class FlaSteps:
     """fla-core 0.4.2's chunk steps over a rank's pieces (``pieces``: their pack, offsets and chunk indices on the
     device), called with the arguments its ``chunk_gated_delta_rule_fwd`` / ``_bwd`` pass them."""
 
-    NAMES = ("chunk_local_cumsum", "chunk_scaled_dot_kkt_fwd", "solve_tril", "recompute_w_u_fwd",
-             "chunk_gated_delta_rule_fwd_h", "chunk_fwd_o", "chunk_bwd_dv_local", "chunk_gated_delta_rule_bwd_dhu",
-             "chunk_bwd_dqkwg", "prepare_wy_repr_bwd")
-    MODULE = "fla.ops.gated_delta_rule.chunk"  # the module whose forward and backward call these names
-
     def __init__(self, pieces: Any, scale: float):
-        module = importlib.import_module(self.MODULE)
-        self.f = {name: getattr(module, name) for name in self.NAMES}
+        # the steps the probe checked, looked up on every call's construction: a step replaced on fla's module later
+        # (a framework's patch) is the one called
+        module = importlib.import_module(CHUNK_MODULE)
+        self.f = {name: getattr(module, name) for name in STATE_STEPS}
         self.cu, self.chunks, self.scale = pieces.cu, pieces.chunks, scale
 
     def _at(self) -> dict[str, Any]:
