@@ -139,11 +139,16 @@ def test_offsets_written_past_the_api_fail_loudly_not_silently(graph_gdn):
             layer(x, None, packed_seq_params=buf.params)
 
 
-def test_a_context_parallel_pack_cannot_take_the_graph_safe_path_and_is_told_what_works():
-    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="context parallel size 2") as err:
-        P.device_pack({"cu_seqlens_q": cu}, 16, torch.device("cpu"), 2)
-    assert "plain PackedSeqParams" in str(err.value) and "run eagerly" not in str(err.value)
+def test_a_context_parallel_pack_cannot_take_the_graph_safe_path_and_is_told_what_works(graph_gdn):
+    """Every CP mode (the head all-to-all, gdn_cp_state's state passing) builds its pack here: a PackBuffer's offsets
+    at cp > 1 are refused before any mode lays out ranks, never run as if they were a host pack."""
+    buf = gdn_compat.graphs.PackBuffer(TOKENS, MAX_SEQS, device=graph_gdn)
+    buf.load([0, 64, 160])
+    assert P.pack_for(buf.params, TOKENS, torch.device(graph_gdn), 1).cu_cpu is None  # cp = 1: the device pack
+    for cp in (2, 4):
+        with pytest.raises(NotImplementedError, match=f"context parallel size {cp}") as err:
+            P.pack_for(buf.params, TOKENS, torch.device(graph_gdn), cp)
+        assert "plain PackedSeqParams" in str(err.value) and "run eagerly" not in str(err.value)
 
 
 def test_a_padded_pack_pads_to_the_budget_and_loads(graph_gdn):

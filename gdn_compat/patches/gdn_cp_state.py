@@ -12,7 +12,7 @@ slot starts from). Upstream's dev branch has a mode like it (Megatron-LM #3282,
 (fla PR #691) that this path does not use yet.
 
 Calls at cp = 1, unpacked calls and inference are the route below (the release's, or gdn_thd's). A graph-safe pack
-(CUDA-graph capture, a ``PackBuffer``) keeps the all-to-all, said once. Off by default:
+(CUDA-graph capture, a ``PackBuffer``) at cp > 1 is refused with an error, as in every CP mode. Off by default:
 ``apply(gdn_cp_state=True)`` or ``GDN_COMPAT_ENABLE=gdn_cp_state``.
 """
 

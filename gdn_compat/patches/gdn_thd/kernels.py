@@ -249,14 +249,13 @@ class Core:
 
     def passes_state(self, pack: Pack) -> bool:
         """Whether this packed CP call passes the delta rule's state between ranks (gdn_cp_state) instead of the
-        head all-to-all; a graph-safe pack keeps the all-to-all, said once (the slots are read on the host)."""
+        head all-to-all. A graph-safe pack never gets here at cp > 1: ``pack.device_pack`` refuses it for every CP
+        mode (the load-balancing permutation is built on the host), so the slots always come from host offsets."""
         if not self.fast.state_cp:
             return False
-        if pack.cu_cpu is None:
-            fast.note("gdn_cp_state", "a graph-safe pack (CUDA-graph capture or a PackBuffer's offsets): the ranks' "
-                                      "slots are laid out from host offsets", instead="such calls exchange heads "
-                                                                                      "with the all-to-all")
-            return False
+        if pack.cu_cpu is None:  # unreachable while device_pack refuses cp > 1; never lay out slots from nothing
+            raise RuntimeError("gdn_compat gdn_cp_state: a graph-safe pack reached state passing at cp > 1; its "
+                               "ranks' slots need host offsets (please report this)")
         return True
 
     def state_passing(self, layer: Any, loc: Local, qkv, gate, beta, alpha, pack: Pack, group: Any):
