@@ -198,6 +198,34 @@ def step0(before: str = "h100-step0-spread-0.19.2-as-before.json", after: str = 
     return "\n".join(rows) + "\n\n" + f"<sub>from `benchmarks/results/{before}` and `{after}`</sub>"
 
 
+def cp_state(name: str = "h100-cp-state-0.19.2.json", key: str = "fla_steps_every_length_2026_12_07") -> str:
+    """bench_cp_state's rows (#56): one rank's share of one document, forward + backward, in each CP mode against no
+    CP (time and peak memory; fla's steps also as a rank's time over no CP's, times cp), and the bytes a rank sends."""
+    data = _load(name)[key]
+
+    def cell(x: dict[str, Any] | None) -> str:
+        if x is None:
+            return "–"
+        if "oom" in x:
+            return "does not fit the card"
+        return f"{x['ms']:.1f} ms, {x['peak_mib'] / 1024:.1f} GiB"
+
+    def size(b: int) -> str:
+        mib = b / 2**20
+        return f"{mib:.0f} MiB" if mib < 1024 else f"{mib / 1024:.1f} GiB"
+
+    rows = ["| one document | no CP | state passing, fla's steps, one rank | state passing, one pass, one rank | head "
+            "all-to-all, one rank | bytes a rank sends: state passing / all-to-all |", "|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        steps, whole = r["state_passing_steps_rank"], r.get("no_cp", {})
+        ratio = f" ({steps['ms'] / whole['ms'] * r['cp']:.2f} / cp)" if "ms" in whole else ""
+        sent = r["bytes_sent_per_rank"]
+        rows.append(f"| {r['length'] // 1024}k tokens, cp = {r['cp']} | {cell(r.get('no_cp'))} | "
+                    f"**{cell(steps)}**{ratio} | {cell(r.get('state_passing_rank'))} | {cell(r.get('head_split_rank'))} "
+                    f"| {size(sent['state_passing'])} / {size(sent['head_split'])} |")
+    return "\n".join(rows) + "\n\n" + f"<sub>from `benchmarks/results/{name}` ({key}; {data['device']})</sub>"
+
+
 def plain(name: str) -> str:
     return {"both": "both switches", "det-both": "both, deterministic_mode", "fused": "`gdn_fused`",
             "flashqla": "`gdn_flashqla`"}.get(name, name)
@@ -205,9 +233,10 @@ def plain(name: str) -> str:
 
 TABLES: dict[str, Callable[[], str]] = {"step0": step0, "fast-layer": fast_layer, "fast-stack": fast_stack, "thd-modes": thd_modes,
                                         "train": train, "long": long_rows, "cost-layer": cost_layer,
-                                        "cost-train": cost_train}
+                                        "cost-train": cost_train, "cp-state": cp_state}
 # The file each table lives in (relative to the repository root).
-HOME = {name: "docs/results.md" for name in TABLES} | {"cost-layer": "README.md", "cost-train": "README.md"}
+HOME = {name: "docs/results.md" for name in TABLES} | {"cost-layer": "README.md", "cost-train": "README.md",
+                                                        "cp-state": "docs/context-parallel.md"}
 
 
 def markers(name: str) -> tuple[str, str]:
