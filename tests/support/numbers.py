@@ -1,9 +1,9 @@
-"""The benchmark tables of the README and docs/results.md, rendered from ``benchmarks/results/*.json`` (stdlib only).
+"""The benchmark tables of the README and docs/, rendered from ``benchmarks/results/*.json`` (stdlib only).
 
 ``nox -s numbers`` writes each between its markers in its home file (``HOME``); ``tests/test_numbers.py`` fails when
 a table no longer is what its results file renders to (a number typed by hand, or a results file replaced without the
 table). Each table names the file it comes from. The README holds two small ones (what packing and the fast paths
-buy); the detail lives in docs/results.md.
+buy); the detail lives in docs/results.md, and the CP modes' costs in docs/context-parallel.md.
 """
 
 from __future__ import annotations
