@@ -30,7 +30,7 @@ from gdn_compat.patches.gdn_thd.pack import host_pack
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def RATES(heads: int) -> torch.Tensor:  # noqa: N802 - a table
+def decay_rates(heads: int) -> torch.Tensor:
     """Each head's decay scale, log-spaced from 1e-1 (forgets within a few hundred tokens) to 1e-3 (about e^-6.5 over
     8k tokens), inside the range of per-token decays megatron's A_log / dt_bias initialisation gives (about 1e-3 to
     1.6). With one rate of 1e-1 for every head (the first version) a slot of 4k tokens or more forgot its start state
@@ -43,7 +43,7 @@ def inputs(t: int, heads: int, dk: int, dv: int, dtype, seed: int = 0) -> dict:
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     rand = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
     return {"q": F.normalize(rand(1, t, heads, dk), dim=-1).to(dtype), "k": F.normalize(rand(1, t, heads, dk), dim=-1).to(dtype),
-            "v": rand(1, t, heads, dv).to(dtype), "g": (-F.softplus(rand(1, t, heads)) * RATES(heads)).float(),
+            "v": rand(1, t, heads, dv).to(dtype), "g": (-F.softplus(rand(1, t, heads)) * decay_rates(heads)).float(),
             "beta": rand(1, t, heads).sigmoid().to(dtype)}
 
 
@@ -59,22 +59,34 @@ def unshard(parts: list[torch.Tensor], cp: int) -> torch.Tensor:
     return torch.cat(slots, dim=1)
 
 
+OOM = (torch.OutOfMemoryError, RuntimeError)  # Triton's launches raise RuntimeError("... out of memory")
+
+
+def oom(e: Exception) -> dict:
+    """{"oom": message} for an out-of-memory error; any other error is raised again."""
+    if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):
+        raise e
+    return {"oom": str(e).split(".")[0]}
+
+
+def release() -> None:
+    """Give a failed run's memory back. Called after the except block: inside it the traceback still holds the failed
+    run's tensors (a 512k no-CP OOM had left head-split CP to OOM as well)."""
+    if DEVICE == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def guarded(fn) -> dict:
     """{"ms", "peak_mib"} of ``timed(fn)``, or {"oom": message} where the GPU runs out of memory."""
     try:
         ms, peak = timed(fn)
-    except (torch.OutOfMemoryError, RuntimeError) as e:  # Triton raises RuntimeError("... out of memory")
-        if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):
-            raise
-        why = str(e).split(".")[0]
+    except OOM as e:
+        failed = oom(e)
     else:
         return {"ms": ms, "peak_mib": peak / 2**20}
-    # out of the except block: its traceback (holding the failed run's tensors) is gone, so the memory comes back
-    # for the next variant (a 512k no-CP OOM left head-split CP to OOM as well)
-    if DEVICE == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
-    return {"oom": why}
+    release()
+    return failed
 
 
 def timed(fn, iters: int = 5) -> tuple[float, int]:
@@ -175,10 +187,9 @@ def measure(rule, d: dict, length: int, cp: int, args) -> dict:
                 truth, _ = rule(*(d[n].float() for n in NAMES), None, [0, length])
                 row["rel_err_fp32"] = {"state_passing": rel(o_cp, truth), "whole_document": rel(o_bf16, truth)}
                 del o_cp, o_bf16, truth
-            except torch.OutOfMemoryError as e:
-                row["rel_err_fp32"] = {"oom": str(e).split(".")[0]}
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
+            except OOM as e:
+                row["rel_err_fp32"] = oom(e)
+            release()
     x0 = {n: t.detach().requires_grad_(True) for n, t in local[0].items()}
 
     def rank_step() -> None:  # rank 0's share, forward + backward (every rank's share is the same size)
